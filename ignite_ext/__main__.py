@@ -1,0 +1,51 @@
+"""Command line: ``python -m ignite_ext demo`` (the end-to-end demo) and ``python -m ignite_ext download``.
+
+.. versionadded:: 0.1.0
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``ignite_ext`` command line.
+
+    Args:
+        argv: arguments without the program name; ``sys.argv[1:]`` when None.
+
+    Returns:
+        The process exit status.
+
+    Examples:
+        >>> from ignite_ext.__main__ import main
+        >>> main(["--version"])  # doctest: +ELLIPSIS
+        ignite_ext ...
+        0
+
+    .. versionadded:: 0.1.0
+    """
+    from ignite_ext import __version__
+
+    parser = argparse.ArgumentParser(prog="python -m ignite_ext", description=__doc__)
+    parser.add_argument("--version", action="store_true", help="print the version and exit")
+    sub = parser.add_subparsers(dest="command")
+    sub.add_parser("demo", help="run the end-to-end demo")
+    args, rest = parser.parse_known_args(argv)
+    if args.version:
+        print(f"ignite_ext {__version__}")
+        return 0
+    if args.command == "demo":
+        from ignite_ext.demo import main as demo_main
+
+        return demo_main(rest)
+    parser.print_help()
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,20 @@
+"""A drop-in superset of :mod:`ignite.distributed`.
+
+``import ignite_ext.distributed as idist`` gives every public name of ``ignite.distributed`` (the very same
+objects) plus the rank scheduler: :func:`one_rank_first` (same arguments as ignite's, but failure-safe and
+yielding whether this rank runs first), :func:`rank_scheduler` and its policies.
+
+.. versionadded:: 0.1.0
+"""
+
+import ignite.distributed as _ignite_distributed
+from ignite.distributed import *  # noqa: F403
+
+from ignite_ext.distributed.errors import RankFailedError, RankFailure
+
+__all__ = [
+    "RankFailedError",
+    "RankFailure",
+]
+# ignite.distributed has no __all__ of its own: its public names are what it exposes without a leading "_".
+__all__ += sorted(n for n in dir(_ignite_distributed) if not n.startswith("_") and n not in __all__)

@@ -1,0 +1,44 @@
+"""Packaging for ignite_ext; tool settings live in pyproject.toml."""
+
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+_HERE = Path(__file__).parent
+_VERSION = {}
+exec((_HERE / "ignite_ext" / "_version.py").read_text(), _VERSION)
+
+_TEST = [
+    "pytest>=8",
+    "pytest-timeout>=2.3",
+    "hypothesis>=6.100",
+    "numpy>=1.26",
+    "psutil>=5.9",
+]
+_DEV = [*_TEST, "mypy>=1.10", "ruff>=0.6", "sphinx>=7.2", "matplotlib>=3.8"]
+
+setup(
+    name="ignite_ext",
+    version=_VERSION["__version__"],
+    description="Rank scheduling, race-free downloads and cached DDP data loading on top of ignite.distributed",
+    long_description=(_HERE / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    license="BSD-3-Clause",
+    python_requires=">=3.11",
+    packages=find_packages(include=["ignite_ext", "ignite_ext.*"]),
+    package_data={"ignite_ext": ["py.typed"]},
+    install_requires=[
+        "torch>=2.1",
+        "pytorch-ignite>=0.5.1",
+        "filelock>=3.20.3",
+        "tqdm>=4.60",
+    ],
+    extras_require={"test": _TEST, "dev": _DEV},
+    entry_points={"console_scripts": ["ignite-ext=ignite_ext.__main__:main"]},
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Programming Language :: Python :: 3.11",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+        "Typing :: Typed",
+    ],
+)
