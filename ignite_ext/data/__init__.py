@@ -3,4 +3,6 @@
 .. versionadded:: 0.1.0
 """
 
-__all__: list[str] = []
+from ignite_ext.data.sampler import ShardedDistributedSampler
+
+__all__ = ["ShardedDistributedSampler"]
