@@ -1,0 +1,493 @@
+"""The shared-memory store behind :class:`~ignite_ext.data.CachedDataset`: one arena file per cache in ``/dev/shm``.
+
+An arena is a plain tmpfs file mapped by every process that reads the cache, so its pages exist once per node
+however many processes map it. It holds::
+
+    header (4 KiB) | index table: n x (state, offset, length) | counters | data (bump-allocated, 64-byte aligned)
+
+*Publish when complete*: a writer reserves a range (under the lock), copies the sample into it (no lock) and then,
+under the lock again, writes offset and length and flips the entry's state to READY last. Readers never lock: an
+entry they see READY is complete and never changes again (nothing is evicted). A writer killed before it publishes
+leaves an EMPTY entry and a few wasted bytes, never a half entry; a second writer of the same entry finds it taken at
+publish time and its range is simply not used.
+
+The lock is ``flock`` on a small ``.lock`` file next to the arena: the kernel releases it when its holder dies, so a
+SIGKILLed worker cannot wedge the others. The creating process also holds a shared ``flock`` on the arena for its
+whole life; that, and a file name carrying its pid, is how a later process tells an arena left behind by a killed
+run (and sweeps it) from one still in use.
+
+.. versionadded:: 0.1.0
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import mmap
+import os
+import re
+import secrets
+import weakref
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "DEFAULT_FRACTION",
+    "MIN_CAPACITY",
+    "SHM_DIR",
+    "Arena",
+    "ShmSpaceError",
+    "available_bytes",
+    "mapped_pss",
+    "sweep_stale",
+]
+
+#: Where arenas live: a tmpfs, so their pages are RAM shared by every process that maps them.
+SHM_DIR = "/dev/shm"
+#: Share of the free space of :data:`SHM_DIR` that a cache takes by default.
+DEFAULT_FRACTION = 0.5
+#: Smallest data capacity worth creating a cache for.
+MIN_CAPACITY = 1 << 20
+
+_NAME_RE = re.compile(r"^ignite_ext_(\d+)_cache_[0-9a-f]+\.(arena|lock)$")
+_MAGIC = 0x49474E4954455843  # "IGNITEXC"
+_VERSION = 1
+_HEADER_BYTES = 4096
+_ALIGN = 64
+
+# Header words.
+_H_MAGIC, _H_VERSION, _H_N, _H_CAPACITY, _H_TABLE, _H_STATS, _H_DATA, _H_USED, _H_ROWS, _H_FULL = range(10)
+# Index table: three words per dataset index.
+_ENTRY_WORDS = 3
+_EMPTY, _READY = 0, 1
+# Counters: one 64-byte slot (its own cache line, since each slot has one writer) per process of a row.
+_SLOT_WORDS = 8
+_OWNER, _HITS, _MISSES, _ENTRIES, _BYTES = range(5)
+#: Slot 0 is a rank's main process, slots 1..MAX_WORKERS its DataLoader workers; the last slot is shared (locked).
+MAX_WORKERS = 64
+_SLOTS_PER_ROW = MAX_WORKERS + 2
+_SHARED_SLOT = _SLOTS_PER_ROW - 1
+
+
+class ShmSpaceError(RuntimeError):
+    """``/dev/shm`` cannot hold the requested cache.
+
+    Examples:
+        >>> from ignite_ext.data._shm import ShmSpaceError
+        >>> issubclass(ShmSpaceError, RuntimeError)
+        True
+
+    .. versionadded:: 0.1.0
+    """
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def available_bytes(directory: str = SHM_DIR) -> int:
+    """Bytes an unprivileged process may still allocate in ``directory``.
+
+    Examples:
+        >>> from ignite_ext.data._shm import available_bytes
+        >>> available_bytes() > 0
+        True
+
+    .. versionadded:: 0.1.0
+    """
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
+
+
+def sweep_stale(directory: str = SHM_DIR) -> list[str]:
+    """Delete the arenas (and lock files) of caches whose creating process is gone; return the removed paths.
+
+    An arena is only removed when both its creator pid is dead and nobody holds its liveness lock, so an arena
+    of a live process (also one in another pid namespace sharing this tmpfs) is never touched.
+
+    Examples:
+        >>> from ignite_ext.data._shm import sweep_stale
+        >>> isinstance(sweep_stale(), list)
+        True
+
+    .. versionadded:: 0.1.0
+    """
+    removed: list[str] = []
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return removed
+    me = os.getpid()
+    for name in sorted(names):
+        match = _NAME_RE.match(name)
+        if match is None or int(match.group(1)) == me or _pid_alive(int(match.group(1))):
+            continue
+        path = os.path.join(directory, name)
+        if match.group(2) == "arena":
+            if not _unused(path):
+                continue
+            removed += _unlink([path, path[: -len(".arena")] + ".lock"])
+        elif not os.path.exists(path[: -len(".lock")] + ".arena"):
+            removed += _unlink([path])
+    return removed
+
+
+def _unused(path: str) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+    return True
+
+
+def _unlink(paths: Iterable[str]) -> list[str]:
+    done = []
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+            done.append(path)
+    return done
+
+
+def mapped_pss(path: str, pids: Iterable[int]) -> int:
+    """Sum, over ``pids``, of the proportional set size (bytes) of their mappings of ``path``.
+
+    Shared pages count ``1/k`` in each of the ``k`` processes mapping them, so the sum is the memory the file's
+    mapped pages really take, however many processes map it.
+
+    Examples:
+        >>> import os
+        >>> from ignite_ext.data._shm import mapped_pss
+        >>> mapped_pss("/nonexistent", [os.getpid()])
+        0
+
+    .. versionadded:: 0.1.0
+    """
+    total = 0
+    for pid in pids:
+        inside = False
+        try:
+            with open(f"/proc/{pid}/smaps") as f:
+                for line in f:
+                    if not line[0].isupper():  # a mapping's first line starts with its hex address range
+                        inside = line.rstrip("\n").endswith(" " + path)
+                    elif inside and line.startswith("Pss:"):
+                        total += int(line.split()[1]) * 1024
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
+
+
+@dataclass
+class _Local:
+    """What one process holds of an arena: its mapping, its own lock descriptor and views of the words."""
+
+    pid: int
+    mm: mmap.mmap
+    arena_fd: int
+    lock_fd: int
+    header: memoryview
+    table: memoryview
+    stats: memoryview
+    data: memoryview
+    claimed: dict[int, int]  # row -> this process's counter slot in that row
+
+
+def _open_local(path: str, arena_fd: int | None = None, mm: mmap.mmap | None = None) -> _Local:
+    lock_fd = os.open(path[: -len(".arena")] + ".lock", os.O_RDWR)
+    if arena_fd is None:
+        arena_fd = os.open(path, os.O_RDWR)
+    if mm is None:
+        mm = mmap.mmap(arena_fd, 0, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    whole = memoryview(mm)
+    header = whole[:_HEADER_BYTES].cast("Q")
+    if header[_H_MAGIC] != _MAGIC or header[_H_VERSION] != _VERSION:
+        raise RuntimeError(f"{path} is not a cache arena of this version")
+    n, rows = header[_H_N], header[_H_ROWS]
+    table_off, stats_off, data_off = header[_H_TABLE], header[_H_STATS], header[_H_DATA]
+    return _Local(
+        pid=os.getpid(),
+        mm=mm,
+        arena_fd=arena_fd,
+        lock_fd=lock_fd,
+        header=header,
+        table=whole[table_off : table_off + n * _ENTRY_WORDS * 8].cast("Q"),
+        stats=whole[stats_off : stats_off + rows * _SLOTS_PER_ROW * _SLOT_WORDS * 8].cast("Q"),
+        data=whole[data_off : data_off + header[_H_CAPACITY]],
+        claimed={},
+    )
+
+
+def _close_local(local: _Local) -> None:
+    for view in (local.header, local.table, local.stats, local.data):
+        view.release()
+    with contextlib.suppress(BufferError):  # a caller still holds a view: the mapping goes with the process
+        local.mm.close()
+    for fd in (local.arena_fd, local.lock_fd):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def _finalize(path: str, creator: int, liveness_fd: int) -> None:
+    # Forked children inherit the finalizer registry: only the creating process may delete the files.
+    if os.getpid() != creator:
+        return
+    _unlink([path, path[: -len(".arena")] + ".lock"])
+    with contextlib.suppress(OSError):
+        os.close(liveness_fd)
+
+
+class Arena:
+    """One cache's shared memory: the index table, the per-process counters and the data area.
+
+    Create it once with :meth:`create` (in the process that owns the cache) and :meth:`attach` it anywhere else
+    on the node. It pickles as its path only; a process that unpickles it maps the file on first use, and a
+    forked process reopens its own lock descriptor (a ``flock`` shared with the parent would not exclude it).
+
+    Examples:
+        >>> from ignite_ext.data._shm import Arena
+        >>> arena = Arena.create(n=4, capacity=1 << 20)
+        >>> offset = arena.reserve(0, 3)
+        >>> arena.data_view(offset, 3)[:] = b"abc"
+        >>> arena.publish(0, offset, 3)
+        True
+        >>> bytes(arena.lookup(0))
+        b'abc'
+        >>> arena.lookup(1) is None
+        True
+        >>> arena.close()
+
+    .. versionadded:: 0.1.0
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._local: _Local | None = None
+        self._finalizer: weakref.finalize[Any, Any] | None = None
+
+    @classmethod
+    def create(cls, n: int, capacity: int | None = None, rows: int = 1, directory: str = SHM_DIR) -> Arena:
+        """Create an arena for ``n`` indices and ``capacity`` bytes of data; it is deleted when this process exits.
+
+        Args:
+            n: number of dataset indices.
+            capacity: bytes of sample data; ``None`` takes :data:`DEFAULT_FRACTION` of the free space.
+            rows: number of counter rows (one per rank sharing the arena).
+            directory: the tmpfs to create it in.
+
+        Raises:
+            ShmSpaceError: the tmpfs lacks room for the table plus ``capacity`` (or plus :data:`MIN_CAPACITY`
+                when ``capacity`` is ``None``).
+            ValueError: ``n`` is negative or ``capacity`` not positive.
+        """
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        if capacity is not None and capacity <= 0:
+            raise ValueError(f"capacity_bytes must be positive, got {capacity}")
+        if not os.path.isdir(directory):
+            raise ShmSpaceError(f"{directory} does not exist: the cache needs a tmpfs for shared memory")
+        sweep_stale(directory)
+        table_off = _HEADER_BYTES
+        stats_off = _aligned(table_off + n * _ENTRY_WORDS * 8)
+        data_off = _aligned(stats_off + rows * _SLOTS_PER_ROW * _SLOT_WORDS * 8)
+        free = available_bytes(directory)
+        if capacity is None:
+            capacity = int((free - data_off) * DEFAULT_FRACTION) // _ALIGN * _ALIGN
+            if capacity < MIN_CAPACITY:
+                raise ShmSpaceError(
+                    f"{directory} has {free} bytes free; a cache of {n} samples needs {data_off} bytes for its "
+                    f"index plus at least {MIN_CAPACITY} for data. Enlarge it (e.g. docker run --shm-size=8g)."
+                )
+        elif data_off + capacity > free:
+            raise ShmSpaceError(
+                f"capacity_bytes={capacity} plus {data_off} bytes of index exceed the {free} bytes free in "
+                f"{directory}; lower capacity_bytes or enlarge {directory}"
+            )
+        stem = os.path.join(directory, f"ignite_ext_{os.getpid()}_cache_{secrets.token_hex(8)}")
+        path = stem + ".arena"
+        os.close(os.open(stem + ".lock", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
+        arena_fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        liveness_fd = os.open(path, os.O_RDONLY)
+        fcntl.flock(liveness_fd, fcntl.LOCK_SH)
+        self = cls(path)
+        self._finalizer = weakref.finalize(self, _finalize, path, os.getpid(), liveness_fd)
+        try:
+            os.ftruncate(arena_fd, data_off + capacity)  # sparse: data pages are allocated as samples arrive
+            os.posix_fallocate(arena_fd, 0, data_off)
+            mm = mmap.mmap(arena_fd, 0, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            header = memoryview(mm)[:_HEADER_BYTES].cast("Q")
+            for word, value in (
+                (_H_N, n),
+                (_H_CAPACITY, capacity),
+                (_H_TABLE, table_off),
+                (_H_STATS, stats_off),
+                (_H_DATA, data_off),
+                (_H_ROWS, rows),
+                (_H_VERSION, _VERSION),
+                (_H_MAGIC, _MAGIC),  # last: an attacher checks it
+            ):
+                header[word] = value
+            header.release()
+            self._local = _open_local(path, arena_fd, mm)
+        except BaseException:
+            self._finalizer()
+            raise
+        return self
+
+    @classmethod
+    def attach(cls, path: str) -> Arena:
+        """Map an existing arena (created by another process of this node); never deletes it."""
+        self = cls(path)
+        self._mapped()
+        return self
+
+    def __reduce__(self) -> tuple[type[Arena], tuple[str]]:
+        return type(self), (self.path,)
+
+    def _mapped(self) -> _Local:
+        local = self._local
+        if local is not None and local.pid == os.getpid():
+            return local
+        # Forked: the inherited mapping is shared and valid, but the lock descriptor must be this process's own.
+        local = _open_local(self.path) if local is None else _open_local(self.path, local.arena_fd, local.mm)
+        self._local = local
+        return local
+
+    @contextlib.contextmanager
+    def _locked(self, local: _Local) -> Iterator[None]:
+        fcntl.flock(local.lock_fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(local.lock_fd, fcntl.LOCK_UN)
+
+    @property
+    def size(self) -> int:
+        """Number of dataset indices the arena has entries for."""
+        return int(self._mapped().header[_H_N])
+
+    @property
+    def capacity(self) -> int:
+        """Bytes of the data area."""
+        return int(self._mapped().header[_H_CAPACITY])
+
+    @property
+    def used(self) -> int:
+        """Bytes of the data area handed out so far (published entries plus ranges of lost races)."""
+        return int(self._mapped().header[_H_USED])
+
+    @property
+    def full(self) -> bool:
+        """Whether an allocation has failed for lack of room."""
+        return bool(self._mapped().header[_H_FULL])
+
+    def lookup(self, index: int) -> memoryview | None:
+        """Return the published bytes of ``index`` (a view into the arena), or ``None`` if it has none."""
+        local = self._mapped()
+        base = index * _ENTRY_WORDS
+        if local.table[base] != _READY:
+            return None
+        offset, length = local.table[base + 1], local.table[base + 2]
+        return local.data[offset : offset + length]
+
+    def reserve(self, index: int, nbytes: int) -> int | None:
+        """Hand out ``nbytes`` of the data area for ``index``; ``None`` if it is already published or no room."""
+        local = self._mapped()
+        header = local.header
+        size = _aligned(nbytes)
+        if local.table[index * _ENTRY_WORDS] != _EMPTY or header[_H_USED] + size > header[_H_CAPACITY]:
+            return None  # checked without the lock first, so a full cache costs no lock per miss
+        with self._locked(local):
+            offset = header[_H_USED]
+            if local.table[index * _ENTRY_WORDS] != _EMPTY or offset + size > header[_H_CAPACITY]:
+                return None
+            try:
+                # Reserve the pages now: writing to a hole of a full tmpfs would kill this process with SIGBUS.
+                os.posix_fallocate(local.arena_fd, header[_H_DATA] + offset, size)
+            except OSError:
+                header[_H_FULL] = 1
+                return None
+            header[_H_USED] = offset + size
+        return int(offset)
+
+    def data_view(self, offset: int, nbytes: int) -> memoryview:
+        """A writable view of a reserved range."""
+        return self._mapped().data[offset : offset + nbytes]
+
+    def publish(self, index: int, offset: int, nbytes: int) -> bool:
+        """Make a fully written range the entry of ``index``; ``False`` if another writer published it first."""
+        local = self._mapped()
+        base = index * _ENTRY_WORDS
+        with self._locked(local):
+            if local.table[base] != _EMPTY:
+                return False
+            local.table[base + 1] = offset
+            local.table[base + 2] = nbytes
+            local.table[base] = _READY  # last: readers take READY to mean complete
+        return True
+
+    def count(self, row: int, slot: int, *, hits: int = 0, misses: int = 0, entries: int = 0, nbytes: int = 0) -> None:
+        """Add to the counters of ``row`` (a rank), in ``slot`` (0: main process, 1 + worker id: a worker)."""
+        local = self._mapped()
+        own = local.claimed.get(row)
+        if own is None:
+            own = local.claimed[row] = self._claim(local, row, slot)
+        base = (row * _SLOTS_PER_ROW + own) * _SLOT_WORDS
+        words = local.stats
+        if own != _SHARED_SLOT:  # this process is the slot's only writer
+            words[base + _HITS] += hits
+            words[base + _MISSES] += misses
+            words[base + _ENTRIES] += entries
+            words[base + _BYTES] += nbytes
+            return
+        with self._locked(local):
+            words[base + _HITS] += hits
+            words[base + _MISSES] += misses
+            words[base + _ENTRIES] += entries
+            words[base + _BYTES] += nbytes
+
+    def _claim(self, local: _Local, row: int, slot: int) -> int:
+        if not 0 <= slot < _SHARED_SLOT:
+            return _SHARED_SLOT
+        owner_word = (row * _SLOTS_PER_ROW + slot) * _SLOT_WORDS + _OWNER
+        with self._locked(local):
+            owner = local.stats[owner_word]
+            if owner not in (0, local.pid) and _pid_alive(owner):
+                return _SHARED_SLOT  # e.g. two DataLoaders of one rank iterating at once: same worker ids
+            local.stats[owner_word] = local.pid
+        return slot
+
+    def totals(self, row: int) -> tuple[int, int, int, int]:
+        """``(hits, misses, entries, bytes)`` of ``row``, summed over every process that counted in it."""
+        words = self._mapped().stats
+        sums = [0, 0, 0, 0]
+        for slot in range(_SLOTS_PER_ROW):
+            base = (row * _SLOTS_PER_ROW + slot) * _SLOT_WORDS
+            for k, word in enumerate((_HITS, _MISSES, _ENTRIES, _BYTES)):
+                sums[k] += words[base + word]
+        return sums[0], sums[1], sums[2], sums[3]
+
+    def close(self) -> None:
+        """Unmap in this process and, in the creating process, delete the files (mappings elsewhere stay valid)."""
+        if self._local is not None and self._local.pid == os.getpid():
+            _close_local(self._local)
+        self._local = None
+        if self._finalizer is not None:
+            self._finalizer()

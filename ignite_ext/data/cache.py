@@ -1,0 +1,254 @@
+"""A shared in-memory sample cache for map-style datasets: load once, then serve every worker and rank from RAM.
+
+:class:`CachedDataset` wraps any map-style dataset. The first read of an index loads it from the wrapped dataset and
+stores it, serialised compactly, in a shared-memory arena (:mod:`ignite_ext.data._shm`); every later read of that
+index by any DataLoader worker of the rank (``scope="rank"``) or by any rank of the node (``scope="node"``) copies it
+back from there. See the cache guide for the guarantees, the memory model and the sampler pairings.
+
+.. versionadded:: 0.1.0
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import ignite.distributed as idist
+import torch
+from torch.utils.data import Dataset, get_worker_info
+
+from ignite_ext.data._codec import decode, encode
+from ignite_ext.data._shm import Arena
+
+__all__ = ["CacheStats", "CachedDataset"]
+
+Scope = Literal["rank", "node"]
+Reduce = Literal["rank", "node", "world"]
+_SCOPES = ("rank", "node")
+_REDUCTIONS = ("rank", "node", "world")
+
+
+class _MapStyle(Protocol):
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int, /) -> Any: ...
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """Counters of a :class:`CachedDataset`.
+
+    Args:
+        hits: reads served from the cache.
+        misses: reads that loaded from the wrapped dataset (including those that could not be stored because
+            the cache was full, or because another process stored the index first).
+        entries: samples stored in the cache (by the processes counted).
+        bytes: bytes of those samples in the cache.
+
+    Examples:
+        >>> from ignite_ext.data import CacheStats
+        >>> s = CacheStats(hits=3, misses=1, entries=1, bytes=128)
+        >>> s.hit_rate
+        0.75
+        >>> s - CacheStats(hits=1, misses=1, entries=1, bytes=128)
+        CacheStats(hits=2, misses=0, entries=0, bytes=0)
+
+    .. versionadded:: 0.1.0
+    """
+
+    hits: int = 0
+    misses: int = 0
+    entries: int = 0
+    bytes: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """``hits / (hits + misses)``, or 0.0 before any read."""
+        reads = self.hits + self.misses
+        return self.hits / reads if reads else 0.0
+
+    def __sub__(self, other: CacheStats) -> CacheStats:
+        return CacheStats(
+            self.hits - other.hits, self.misses - other.misses, self.entries - other.entries, self.bytes - other.bytes
+        )
+
+
+class CachedDataset(Dataset[Any]):
+    """Serve the samples of ``dataset`` from a shared-memory cache after their first load.
+
+    The cache is created in the constructing process (a rank's main process) and reaches DataLoader workers by
+    pickling (only its shared-memory name travels; workers map it on first use), so it works with the ``fork``
+    and ``spawn`` start methods and with or without ``persistent_workers``. Samples are stored as a small header
+    plus the raw bytes of their tensors and arrays, and every read returns fresh copies: modifying a sample never
+    changes the cache. Nothing is evicted: once the cache is full, samples not in it are loaded from ``dataset``
+    each time they are read (and counted as misses).
+
+    Args:
+        dataset: a map-style dataset (``len()`` and integer indexing).
+        scope: ``"rank"``: one cache per process that constructs a ``CachedDataset``, shared by its DataLoader
+            workers. ``"node"``: one cache per node, shared by all ranks of the node; then every rank must
+            construct it (collectively, through :mod:`ignite.distributed`), over the same dataset, and the
+            node's local rank 0 creates it (with its own ``capacity_bytes``).
+        capacity_bytes: bytes of sample data the cache may hold. ``None``: half of the free space of
+            ``/dev/shm`` at construction.
+
+    Raises:
+        ValueError: ``scope`` is unknown, ``capacity_bytes`` is not positive, or (node scope) the ranks of a node
+            wrap datasets of different lengths.
+        ShmSpaceError: ``/dev/shm`` cannot hold the cache (too little free space for the index plus 1 MiB of data
+            by default, or less than ``capacity_bytes`` plus the index).
+
+    Examples:
+        >>> import torch
+        >>> from ignite_ext.data import CachedDataset
+        >>> ds = CachedDataset([torch.full((2,), float(i)) for i in range(4)], capacity_bytes=1 << 20)
+        >>> ds[1], ds[1]
+        (tensor([1., 1.]), tensor([1., 1.]))
+        >>> ds.stats()
+        CacheStats(hits=1, misses=1, entries=1, bytes=136)
+        >>> ds.close()
+
+    .. versionadded:: 0.1.0
+    """
+
+    def __init__(self, dataset: _MapStyle, *, scope: Scope = "rank", capacity_bytes: int | None = None) -> None:
+        if scope not in _SCOPES:
+            raise ValueError(f"scope must be one of {_SCOPES}, got {scope!r}")
+        self.dataset = dataset
+        self.scope: Scope = scope
+        self._len = len(dataset)
+        if scope == "node" and idist.get_world_size() > 1:
+            self._arena, self._row = _node_arena(self._len, capacity_bytes), idist.get_local_rank()
+        else:
+            self._arena, self._row = Arena.create(self._len, capacity_bytes), 0
+        self._slot: tuple[int, int] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_slot"] = None
+        return state
+
+    def __len__(self) -> int:
+        return self._len
+
+    @property
+    def segment(self) -> str:
+        """Path of the shared-memory file that holds the cache."""
+        return self._arena.path
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Bytes of sample data the cache can hold."""
+        return self._arena.capacity
+
+    def _count_slot(self) -> int:
+        pid = os.getpid()
+        if self._slot is None or self._slot[0] != pid:
+            info = get_worker_info()
+            self._slot = (pid, 0 if info is None else info.id + 1)
+        return self._slot[1]
+
+    def __getitem__(self, index: int) -> Any:
+        i = operator.index(index)
+        if i < 0:
+            i += self._len
+        if not 0 <= i < self._len:
+            raise IndexError(f"index {index} out of range for a dataset of {self._len} samples")
+        arena = self._arena
+        raw = arena.lookup(i)
+        if raw is not None:
+            sample = decode(raw)
+            arena.count(self._row, self._count_slot(), hits=1)
+            return sample
+        sample = self.dataset[i]
+        enc = encode(sample)
+        offset = arena.reserve(i, enc.nbytes)
+        published = False
+        if offset is not None:
+            enc.write_into(arena.data_view(offset, enc.nbytes))
+            self._before_publish(i)
+            published = arena.publish(i, offset, enc.nbytes)
+        arena.count(
+            self._row, self._count_slot(), misses=1, entries=int(published), nbytes=enc.nbytes if published else 0
+        )
+        return sample
+
+    def _before_publish(self, index: int) -> None:
+        """Run between writing a sample and publishing it; a seam for crash tests, nothing to do otherwise."""
+
+    def stats(self, reduce: Reduce = "rank") -> CacheStats:
+        """Hits, misses, entries and bytes, counted over this rank's main process and all its DataLoader workers.
+
+        Args:
+            reduce: ``"rank"``: this rank only (no communication). ``"node"`` or ``"world"``: summed over the
+                ranks of this node or of the world with a collective, so *every rank must call it*. With
+                ``scope="node"`` the node sum of ``entries``/``bytes`` is what the node's cache holds.
+
+        Raises:
+            ValueError: ``reduce`` is not one of ``"rank"``, ``"node"``, ``"world"`` (raised on every rank before
+                any communication, so no rank is left waiting).
+
+        Examples:
+            >>> from ignite_ext.data import CachedDataset
+            >>> ds = CachedDataset(["a", "b"], capacity_bytes=1 << 20)
+            >>> [ds[i] for i in (0, 1, 0)]
+            ['a', 'b', 'a']
+            >>> ds.stats(reduce="world").hits
+            1
+            >>> ds.close()
+
+        .. versionadded:: 0.1.0
+        """
+        if reduce not in _REDUCTIONS:
+            raise ValueError(f"reduce must be one of {_REDUCTIONS}, got {reduce!r}")
+        own = self._arena.totals(self._row)
+        if reduce == "rank" or idist.get_world_size() == 1:
+            return CacheStats(*own)
+        node = idist.get_node_rank()
+        mine = torch.tensor([node, *own], dtype=torch.int64)
+        gathered = idist.all_gather(mine)
+        assert isinstance(gathered, torch.Tensor)
+        rows = gathered.reshape(-1, mine.numel())
+        if reduce == "node":
+            rows = rows[rows[:, 0] == node]
+        hits, misses, entries, nbytes = (int(v) for v in rows[:, 1:].sum(dim=0))
+        return CacheStats(hits, misses, entries, nbytes)
+
+    def close(self) -> None:
+        """Release the cache in this process; in the creating process also delete its shared memory.
+
+        Processes that still map it (workers, other ranks) keep a valid mapping until they exit. The creating
+        process also releases it when the dataset is garbage-collected or the interpreter exits.
+        """
+        self._arena.close()
+
+
+def _node_arena(n: int, capacity_bytes: int | None) -> Arena:
+    """Create the node's arena on its local rank 0 and attach it on the other ranks of the node (collective)."""
+    node, local_rank = idist.get_node_rank(), idist.get_local_rank()
+    arena: Arena | None = None
+    error: BaseException | None = None
+    report = ""
+    if local_rank == 0:
+        try:
+            arena = Arena.create(n, capacity_bytes, rows=idist.get_nproc_per_node())
+            report = arena.path
+        except Exception as exc:  # reported to every rank, so none waits for a cache that does not exist
+            error, report = exc, f"{type(exc).__name__}: {exc}"
+    gathered = idist.all_gather(f"{node}|{local_rank}|{n}|{int(error is not None)}|{report}")
+    assert isinstance(gathered, list)
+    entries = [str(g).split("|", 4) for g in gathered]
+    failed = [f"node {e[0]}: {e[4]}" for e in entries if e[3] == "1"]
+    lengths = {(e[0], e[2]) for e in entries}
+    if len(lengths) != len({e[0] for e in entries}):
+        raise ValueError(f"ranks of one node wrap datasets of different lengths (node, length): {sorted(lengths)}")
+    if error is not None:
+        raise error
+    if failed:
+        raise RuntimeError("the node cache could not be created: " + "; ".join(failed))
+    if arena is None:
+        path = next(e[4] for e in entries if e[0] == str(node) and e[1] == "0")
+        arena = Arena.attach(path)
+    return arena
