@@ -3,6 +3,7 @@
 .. versionadded:: 0.1.0
 """
 
+from ignite_ext.data.cache import CachedDataset, CacheStats
 from ignite_ext.data.sampler import ShardedDistributedSampler
 
-__all__ = ["ShardedDistributedSampler"]
+__all__ = ["CacheStats", "CachedDataset", "ShardedDistributedSampler"]
