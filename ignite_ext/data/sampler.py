@@ -301,7 +301,8 @@ class ShardedDistributedSampler(DistributedSampler[int]):
         drop_last: yield ``floor(N / R)`` per rank instead of ``ceil(N / R)``.
         shard_by: ``"rank"`` (one shard per rank) or ``"node"`` (one shard per node).
         nnodes: number of nodes (``shard_by="node"`` only); default ``num_replicas // nproc_per_node`` when
-            ``num_replicas`` is given, else ``idist.get_nnodes()``.
+            ``num_replicas`` is given, else ``idist.get_nnodes()``. When ``num_replicas`` differs from the world
+            size, ``nnodes`` or ``nproc_per_node`` must be given.
         node_rank: this node; default ``rank // nproc_per_node`` when ``rank`` is given, else
             ``idist.get_node_rank()``.
         nproc_per_node: processes per node (the same on every node); default ``num_replicas // nnodes`` when
@@ -374,8 +375,14 @@ class ShardedDistributedSampler(DistributedSampler[int]):
                     if replicas % nnodes:
                         raise ValueError(f"num_replicas={replicas} is not a multiple of nnodes={nnodes}")
                     nproc_per_node = replicas // nnodes
-                else:
+                elif replicas == idist.get_world_size():
                     nproc_per_node = idist.get_nproc_per_node()
+                else:
+                    # Guessing a node layout for a world that is not this one would silently pick the wrong shards.
+                    raise ValueError(
+                        f"shard_by='node' with num_replicas={replicas} (the world size is {idist.get_world_size()}) "
+                        "needs nnodes or nproc_per_node"
+                    )
             nproc_per_node = _check_int("nproc_per_node", nproc_per_node, 1)
             if nnodes is None:
                 nnodes = replicas // nproc_per_node if num_replicas is not None else idist.get_nnodes()
