@@ -1,0 +1,221 @@
+"""HTTP side of :func:`ignite_ext.data.download_url`: conditional range requests and the retry policy.
+
+Only the standard library is used (:mod:`urllib.request`), so ``http``, ``https`` and ``file`` URLs work
+wherever Python does, proxies and redirects included. This module knows nothing about files on disk:
+:mod:`ignite_ext.data.download` decides where the bytes go.
+
+.. versionadded:: 0.1.0
+"""
+
+from __future__ import annotations
+
+import email.utils
+import http.client
+import os
+import random
+import re
+import socket
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
+from email.message import Message
+from typing import IO
+
+__all__ = [
+    "BACKOFF_BASE_S",
+    "BACKOFF_ENV",
+    "RETRY_AFTER_MAX_S",
+    "SCHEMES",
+    "FatalHTTPError",
+    "Response",
+    "RetryableError",
+    "Validator",
+    "backoff_delay",
+    "check_scheme",
+    "open_range",
+]
+
+#: URL schemes :func:`ignite_ext.data.download_url` accepts.
+SCHEMES = ("http", "https", "file")
+#: Base of the exponential backoff between attempts, in seconds (overridden by :data:`BACKOFF_ENV`).
+BACKOFF_BASE_S = 1.0
+#: Environment variable that overrides :data:`BACKOFF_BASE_S`, e.g. ``0.01`` in tests.
+BACKOFF_ENV = "IGNITE_EXT_DOWNLOAD_BACKOFF_S"
+#: A ``Retry-After`` up to this many seconds is honoured; a longer one falls back to the backoff.
+RETRY_AFTER_MAX_S = 60.0
+
+_CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)", re.IGNORECASE)
+_UNSATISFIED_RANGE = re.compile(r"bytes\s+\*/(\d+)", re.IGNORECASE)
+_USER_AGENT = "ignite_ext-download"
+
+
+class RetryableError(Exception):
+    """A transient failure (connection, timeout, short body, 5xx, 429): the same URL may work later.
+
+    Args:
+        message: what went wrong, naming the URL.
+        retry_after: the server's ``Retry-After`` in seconds, when it sent a usable one.
+    """
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class FatalHTTPError(Exception):
+    """A failure that retrying the same URL cannot fix (404 and the other 4xx but 429).
+
+    Args:
+        message: what went wrong, naming the URL and the status.
+        status: the HTTP status code.
+    """
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class Validator:
+    """What identifies one version of a remote file, so that a resumed range is known to belong to it.
+
+    Attributes:
+        etag: a strong ``ETag`` (weak ones cannot validate a range, RFC 9110 §13.1.5), or None.
+        last_modified: the ``Last-Modified`` header, or None.
+    """
+
+    etag: str | None = None
+    last_modified: str | None = None
+
+    @classmethod
+    def from_headers(cls, headers: Message) -> Validator:
+        """Read the validator of a response."""
+        etag = headers.get("ETag")
+        if etag is not None and etag.startswith("W/"):
+            etag = None
+        return cls(etag=etag, last_modified=headers.get("Last-Modified"))
+
+    @property
+    def if_range(self) -> str | None:
+        """The ``If-Range`` value to send, or None when this version cannot be validated."""
+        return self.etag or self.last_modified
+
+
+@dataclass
+class Response:
+    """An open response body and what it means for the bytes already on disk.
+
+    Attributes:
+        body: the stream to read from (close it when done).
+        offset: where the body starts in the file: the requested offset for a 206, 0 for a full body.
+        total: the full size of the file, or None when the server did not say.
+        validator: the version of the file this body belongs to.
+        complete: True when the server says the bytes already held are the whole file (nothing to read).
+    """
+
+    body: IO[bytes]
+    offset: int
+    total: int | None
+    validator: Validator
+    complete: bool = False
+
+
+def check_scheme(url: str) -> None:
+    """Raise :class:`ValueError` unless ``url`` is ``http``, ``https`` or ``file``."""
+    scheme = urllib.parse.urlsplit(url).scheme.lower()
+    if scheme not in SCHEMES:
+        raise ValueError(f"unsupported URL scheme {scheme!r} in {url!r}; expected one of {', '.join(SCHEMES)}")
+
+
+def backoff_delay(attempt: int, retry_after: float | None = None) -> float:
+    """Seconds to wait before retry number ``attempt`` (0-based): exponential with jitter.
+
+    A small ``Retry-After`` wins over the backoff; a large one is not waited for (the caller moves on later).
+    """
+    if retry_after is not None and retry_after <= RETRY_AFTER_MAX_S:
+        return retry_after
+    base = float(os.environ.get(BACKOFF_ENV, BACKOFF_BASE_S))
+    # Jitter keeps the ranks of many jobs that failed together from retrying in lockstep.
+    return base * 2.0**attempt + random.uniform(0, base)
+
+
+def open_range(url: str, offset: int, validator: Validator | None, timeout: float) -> Response:
+    """Request ``url`` from byte ``offset`` on, valid only if the file is still ``validator``'s version.
+
+    With ``offset == 0`` or no usable validator this is a plain GET. Otherwise it sends ``Range`` with
+    ``If-Range``: a server that supports both answers 206 with the rest, and one that does not (or whose
+    file changed) answers 200 with the whole file, which :attr:`Response.offset` reports as 0.
+
+    Raises:
+        RetryableError: connection errors, timeouts, 5xx and 429.
+        FatalHTTPError: the other 4xx.
+    """
+    headers = {"User-Agent": _USER_AGENT, "Accept-Encoding": "identity"}
+    resume = offset > 0 and validator is not None and validator.if_range is not None
+    if resume:
+        assert validator is not None and validator.if_range is not None
+        headers["Range"] = f"bytes={offset}-"
+        headers["If-Range"] = validator.if_range
+    request = urllib.request.Request(url, headers=headers)
+    try:
+        raw = urllib.request.urlopen(request, timeout=timeout)
+    except urllib.error.HTTPError as exc:
+        return _from_http_error(url, exc, offset if resume else 0)
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
+        raise RetryableError(f"{url}: {_reason(exc)}") from exc
+    return _from_success(url, raw, offset if resume else 0)
+
+
+def _from_success(url: str, raw: IO[bytes], requested: int) -> Response:
+    status = getattr(raw, "status", None) or 200  # file:// responses carry no status
+    headers: Message = raw.headers  # type: ignore[attr-defined]
+    validator = Validator.from_headers(headers)
+    if status == 206:
+        match = _CONTENT_RANGE.fullmatch(headers.get("Content-Range", "").strip())
+        if match is None or int(match.group(1)) != requested:
+            raw.close()
+            # The server sent some other range than asked for: start over rather than guess.
+            raise RetryableError(f"{url}: unexpected Content-Range {headers.get('Content-Range')!r}")
+        total = None if match.group(3) == "*" else int(match.group(3))
+        return Response(raw, requested, total, validator)
+    length = headers.get("Content-Length")
+    return Response(raw, 0, int(length) if length and length.isdigit() else None, validator)
+
+
+def _from_http_error(url: str, exc: urllib.error.HTTPError, requested: int) -> Response:
+    status = exc.code
+    headers = exc.headers
+    if status == 416 and requested:
+        match = _UNSATISFIED_RANGE.fullmatch((headers.get("Content-Range") or "").strip())
+        exc.close()
+        if match is not None and int(match.group(1)) == requested:
+            return Response(exc, requested, requested, Validator.from_headers(headers), complete=True)
+        raise RetryableError(f"{url}: HTTP 416 for a resumed range; starting over")
+    exc.close()
+    if status == 429 or status >= 500:
+        raise RetryableError(f"{url}: HTTP {status} {exc.reason}", _retry_after(headers))
+    raise FatalHTTPError(f"{url}: HTTP {status} {exc.reason}", status)
+
+
+def _retry_after(headers: Message | None) -> float | None:
+    value = headers.get("Retry-After") if headers is not None else None
+    if value is None:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, urllib.error.URLError) and not isinstance(exc.reason, str):
+        exc = exc.reason if isinstance(exc.reason, BaseException) else exc
+    if isinstance(exc, socket.timeout | TimeoutError):
+        return "timed out"
+    return f"{type(exc).__name__}: {exc}"
