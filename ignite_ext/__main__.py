@@ -30,11 +30,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     .. versionadded:: 0.1.0
     """
     from ignite_ext import __version__
+    from ignite_ext.data.download import add_cli_arguments
 
     parser = argparse.ArgumentParser(prog="python -m ignite_ext", description=__doc__)
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command")
     sub.add_parser("demo", help="run the end-to-end demo")
+    add_cli_arguments(sub.add_parser("download", help="fetch a file once per filesystem, verified and atomically"))
     args, rest = parser.parse_known_args(argv)
     if args.version:
         print(f"ignite_ext {__version__}")
@@ -43,6 +45,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ignite_ext.demo import main as demo_main
 
         return demo_main(rest)
+    if args.command == "download":
+        from ignite_ext.data.download import cli
+
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        return cli(args)
     parser.print_help()
     return 2
 
