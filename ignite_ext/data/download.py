@@ -684,13 +684,14 @@ def _fetch(
     try:
         failures: list[DownloadError] = []
         for url in urls:
+            if failures:
+                logger.warning("%s; trying %s", failures[-1], url)
             failure = _fetch_from(url, partial, expected, timeout=timeout, retries=retries, progress=progress)
             if failure is None:
                 _publish(partial, target)
                 published = True
                 return
             failures.append(failure)
-            logger.warning("%s", failure)
         raise _combined(failures)
     finally:
         if not published:
