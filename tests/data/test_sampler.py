@@ -524,3 +524,21 @@ def test_ignite_engine_resumes_mid_epoch_without_repeating_or_skipping() -> None
     sampler.load_state_dict(saved_sampler)
     engine.run(loader)
     assert seen == reference
+
+
+# --- the benchmark --------------------------------------------------------------------------------------------------
+
+
+def test_benchmark_contract_and_cache_claims() -> None:
+    from benchmarks import bench_sampler
+
+    result = bench_sampler.run(quick=True)
+    assert bench_sampler.NAME == "sampler"
+    assert {"title", "machine", "rows", "summary", "plot"} <= set(result)
+    rows = result["rows"]
+    assert [r["ours_hit_pct"] for r in rows] == [0.0, 100.0, 100.0, 100.0]
+    assert all(r["ours_cache_per_rank"] == 2_000 // 4 for r in rows)
+    assert all(r["ours_node_cache_per_node"] == 2_000 // 2 for r in rows)
+    assert all(0 < r["torch_hit_pct"] < 75 for r in rows[1:])  # torch reshuffles across ranks
+    assert rows[-1]["torch_cache_per_rank"] > 2_000 // 2
+    assert {result["plot"]["x"], *result["plot"]["y"]} <= set(rows[0])
