@@ -636,9 +636,7 @@ def _create(path: Path) -> Path:
     return path
 
 
-def _adopt(
-    candidate: Path, mine: Path, urls: Sequence[str], algorithms: set[str], label: str
-) -> _Partial | None:
+def _adopt(candidate: Path, mine: Path, urls: Sequence[str], algorithms: set[str], label: str) -> _Partial | None:
     record = _read_json(_meta_path(candidate))
     if record is None or record.get("url") not in urls:
         return None

@@ -146,7 +146,7 @@ class _Handler(BaseHTTPRequestHandler):
     state: _State
     protocol_version = "HTTP/1.1"
 
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002  # quiet test output
+    def log_message(self, format: str, *args: object) -> None:  # quiet test output
         pass
 
     def do_GET(self) -> None:

@@ -42,7 +42,9 @@ def _fast_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def leftovers(root: Path) -> list[str]:
     """Hidden files other than the lock and the digest record: temp and partial files."""
-    return sorted(p.name for p in root.iterdir() if p.name.startswith(".") and not p.name.endswith((".lock", ".verified.json")))
+    return sorted(
+        p.name for p in root.iterdir() if p.name.startswith(".") and not p.name.endswith((".lock", ".verified.json"))
+    )
 
 
 def dead_pid() -> int:
@@ -293,7 +295,9 @@ def test_waiting_caller_logs_once_and_gets_the_same_file(
     assert server.bytes_served("/a.bin") == len(DATA) and len(server.requests("/a.bin")) == 1
 
 
-def test_progress_bar_only_when_asked(server: TestHTTPServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_progress_bar_only_when_asked(
+    server: TestHTTPServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     url = server.add("/a.bin", DATA)
     download_url(url, tmp_path / "quiet", progress=False)
     assert capsys.readouterr().err == ""
@@ -332,5 +336,7 @@ def test_cli_prints_the_path_or_one_error_line(
     assert main(["download", server.url("/nope.bin"), "--root", str(tmp_path), "--no-progress"]) == 1
     err = capsys.readouterr().err
     assert re.fullmatch(r"error: DownloadError: .*404.*\n", err)
-    assert main(["download", url, "--root", str(tmp_path), "--md5", "0" * 32, "--filename", "b.bin", "--no-progress"]) == 1
+    assert (
+        main(["download", url, "--root", str(tmp_path), "--md5", "0" * 32, "--filename", "b.bin", "--no-progress"]) == 1
+    )
     assert capsys.readouterr().err.startswith("error: ChecksumError: ")
