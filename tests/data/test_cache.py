@@ -1,0 +1,323 @@
+"""CachedDataset with real DataLoader workers: load once, shared memory, integrity, capacity, cleanup, stats."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from typing import Any
+
+import pytest
+import torch
+from ignite.engine import Engine, Events
+from torch.utils.data import DataLoader, get_worker_info
+
+from ignite_ext.data import CachedDataset
+from ignite_ext.data import _shm as shm
+from ignite_ext.data._shm import Arena, ShmSpaceError, mapped_pss, sweep_stale
+from ignite_ext.data.handlers import CacheStatsHandler
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class CountingDataset:
+    """Sample ``i`` is ``x = full(size, i + offset)``; every load is counted in shared memory, per index."""
+
+    def __init__(self, n: int, size: int = 256, offset: int = 0, delay: float = 0.0, context: str = "fork") -> None:
+        self.counts = mp.get_context(context).Array("q", n)
+        self.size, self.offset, self.delay = size, offset, delay
+
+    def __len__(self) -> int:
+        return len(self.counts)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        with self.counts.get_lock():
+            self.counts[i] += 1
+        if self.delay:
+            time.sleep(self.delay)
+        return {"x": torch.full((self.size,), float(i + self.offset)), "i": i, "name": f"s{i}"}
+
+    def loads(self) -> list[int]:
+        return list(self.counts)
+
+
+class KillBeforePublish(CachedDataset):
+    """Dies by SIGKILL, in a DataLoader worker, after writing sample ``kill_index`` and before publishing it."""
+
+    kill_index = 5
+
+    def _before_publish(self, index: int) -> None:
+        if index == self.kill_index and get_worker_info() is not None:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def epoch(loader: DataLoader[Any], offset: int = 0) -> list[int]:
+    seen = []
+    for batch in loader:
+        assert torch.equal(batch["x"][:, 0], (batch["i"] + offset).float())
+        assert batch["name"] == [f"s{i}" for i in batch["i"].tolist()]
+        seen += batch["i"].tolist()
+    return seen
+
+
+def loader(ds: Any, workers: int = 2, context: str = "fork", **kwargs: Any) -> DataLoader[Any]:
+    kwargs.setdefault("batch_size", 4)
+    kwargs.setdefault("shuffle", True)
+    return DataLoader(ds, num_workers=workers, multiprocessing_context=context, **kwargs)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("context", "persistent", "epochs"),
+    # spawn + non-persistent is the demanding spawn case (fresh processes attach every epoch); each spawned
+    # worker imports torch and ignite, seconds apiece here, so spawn + persistent is left to the fork runs.
+    [("fork", True, 3), ("fork", False, 3), ("spawn", False, 2)],
+)
+def test_each_sample_is_loaded_once_for_all_workers(context: str, persistent: bool, epochs: int) -> None:
+    base = CountingDataset(24, context=context)
+    ds = CachedDataset(base, capacity_bytes=1 << 20)
+    dl = loader(ds, context=context, persistent_workers=persistent)
+    assert sorted(epoch(dl)) == list(range(24))
+    assert base.loads() == [1] * 24
+    for _ in range(epochs - 1):
+        assert sorted(epoch(dl)) == list(range(24))
+    assert base.loads() == [1] * 24  # later epochs: all from the cache
+    st = ds.stats()
+    assert (st.misses, st.hits, st.entries) == (24, 24 * (epochs - 1), 24)
+    assert st.hit_rate == pytest.approx((epochs - 1) / epochs)
+    del dl  # workers gone: they must not have deleted the shared memory
+    assert os.path.exists(ds.segment)
+    assert ds[3]["x"][0] == 3.0
+    ds.close()
+    assert not os.path.exists(ds.segment)
+
+
+@pytest.mark.distributed
+def test_node_memory_is_one_copy_whatever_the_number_of_workers() -> None:
+    base = CountingDataset(48, size=64 * 1024)  # 256 KiB samples, 12 MiB in all
+    ds = CachedDataset(base, capacity_bytes=32 << 20)
+    dl = loader(ds, workers=3, persistent_workers=True)
+    epoch(dl)
+    epoch(dl)
+    it = iter(dl)  # keep the persistent workers alive while measuring
+    pids = [os.getpid(), *(w.pid for w in it._workers)]  # type: ignore[attr-defined]
+    st = ds.stats()
+    pss = mapped_pss(ds.segment, pids)
+    on_tmpfs = os.stat(ds.segment).st_blocks * 512
+    assert st.entries == 48 and st.hits == 48
+    assert 0.9 * st.bytes <= pss <= 1.1 * st.bytes, (pss, st.bytes)
+    assert on_tmpfs <= 1.1 * st.bytes
+    del it, dl
+    ds.close()
+
+
+def test_returned_samples_can_be_modified_without_touching_the_cache() -> None:
+    ds = CachedDataset(CountingDataset(4), capacity_bytes=1 << 20)
+    first = ds[2]
+    first["x"] += 100
+    hit = ds[2]
+    assert hit["x"][0] == 2.0
+    hit["x"].mul_(0)
+    assert ds[2]["x"][0] == 2.0
+    assert ds.stats().hits == 2
+    ds.close()
+
+
+def test_indexing_matches_the_wrapped_dataset() -> None:
+    ds = CachedDataset(list("abcd"), capacity_bytes=1 << 20)
+    assert len(ds) == 4
+    assert ds[-1] == "d" and ds[torch.tensor(1).item()] == "b"
+    with pytest.raises(IndexError):
+        ds[4]
+    ds.close()
+
+
+@pytest.mark.distributed
+def test_full_cache_serves_the_rest_uncached_without_thrashing() -> None:
+    base = CountingDataset(20, size=1024)  # ~4.2 KB encoded each
+    ds = CachedDataset(base, capacity_bytes=8 * 4352)
+    dl = loader(ds)
+    epoch(dl)
+    first = ds.stats()
+    assert 0 < first.entries < 20 and first.bytes <= ds.capacity_bytes
+    cached = [i for i in range(20) if ds._arena.lookup(i) is not None]
+    assert len(cached) == first.entries
+    epoch(dl)
+    epoch(dl)
+    loads = base.loads()
+    assert all(loads[i] == 1 for i in cached)  # cached ones are never reloaded (no eviction)
+    assert all(loads[i] == 3 for i in range(20) if i not in cached)  # the rest: once per epoch, no more
+    last = ds.stats()
+    assert (last.entries, last.bytes) == (first.entries, first.bytes)
+    assert last.misses == 20 + 2 * (20 - first.entries)
+    ds.close()
+
+
+def test_capacity_errors_and_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="positive"):
+        CachedDataset([1], capacity_bytes=0)
+    with pytest.raises(ShmSpaceError, match="exceed"):
+        CachedDataset([1], capacity_bytes=shm.available_bytes() * 2)
+    with pytest.raises(ValueError, match="scope"):
+        CachedDataset([1], scope="host")  # type: ignore[arg-type]
+    monkeypatch.setattr(shm, "available_bytes", lambda directory=shm.SHM_DIR: 100 << 20)
+    ds = CachedDataset([1])
+    assert 0.49 * (100 << 20) < ds.capacity_bytes <= 0.5 * (100 << 20)
+    ds.close()
+    monkeypatch.setattr(shm, "available_bytes", lambda directory=shm.SHM_DIR: 1 << 20)
+    with pytest.raises(ShmSpaceError, match="shm-size"):
+        CachedDataset([1])
+
+
+@pytest.mark.distributed
+def test_two_workers_loading_one_index_publish_it_once() -> None:
+    base = CountingDataset(4, delay=0.3)
+    ds = CachedDataset(base, capacity_bytes=1 << 20)
+    # batch_size=1 and each index twice in a row: worker 0 and worker 1 load the same index at the same time.
+    twice = DataLoader(ds, batch_size=1, sampler=[0, 0, 1, 1, 2, 2, 3, 3], num_workers=2, multiprocessing_context="fork")
+    assert [b["i"].item() for b in twice] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert base.loads() == [2, 2, 2, 2]
+    one_size = ds._arena.lookup(0).nbytes  # type: ignore[union-attr]
+    st = ds.stats()
+    assert (st.entries, st.misses, st.bytes) == (4, 8, 4 * one_size)
+    assert sorted(epoch(loader(ds))) == [0, 1, 2, 3]
+    assert base.loads() == [2, 2, 2, 2]
+    ds.close()
+
+
+def test_second_publisher_of_an_entry_loses() -> None:
+    arena = Arena.create(2, 1 << 20)
+    a, b = arena.reserve(0, 8), arena.reserve(0, 8)
+    assert a is not None and b is not None and a != b
+    arena.data_view(b, 8)[:] = b"bbbbbbbb"
+    assert arena.publish(0, b, 8)
+    arena.data_view(a, 8)[:] = b"aaaaaaaa"
+    assert not arena.publish(0, a, 8)
+    assert bytes(arena.lookup(0)) == b"bbbbbbbb"  # type: ignore[arg-type]
+    assert arena.reserve(0, 8) is None  # published: nothing more to reserve
+    arena.close()
+
+
+@pytest.mark.distributed
+def test_worker_killed_between_write_and_publish_leaves_no_half_entry() -> None:
+    base = CountingDataset(12)
+    ds = KillBeforePublish(base, capacity_bytes=1 << 20)
+    with pytest.raises(RuntimeError, match="DataLoader worker"):
+        epoch(loader(ds, shuffle=False, batch_size=1))
+    k = KillBeforePublish.kill_index
+    assert base.loads()[k] == 1
+    assert ds._arena.lookup(k) is None  # its bytes were written, but never published
+    sample = ds[k]  # loaded again, correctly, and now published
+    assert base.loads()[k] == 2 and sample["x"][0] == float(k)
+    assert ds._arena.lookup(k) is not None
+    assert ds[k]["x"][0] == float(k) and base.loads()[k] == 2
+    ds.close()
+
+
+@pytest.mark.distributed
+def test_train_and_val_caches_never_mix() -> None:
+    train_base, val_base = CountingDataset(8), CountingDataset(8, offset=1000)
+    train = CachedDataset(train_base, capacity_bytes=1 << 20)
+    val = CachedDataset(val_base, capacity_bytes=1 << 20)
+    assert train.segment != val.segment
+    train_dl, val_dl = loader(train), loader(val)
+    for _ in range(2):
+        assert sorted(epoch(train_dl)) == list(range(8))
+        assert sorted(epoch(val_dl, offset=1000)) == list(range(8))
+    assert train_base.loads() == [1] * 8 and val_base.loads() == [1] * 8
+    train.close()
+    val.close()
+
+
+@pytest.mark.distributed
+def test_two_loaders_iterating_at_once_count_every_read() -> None:
+    ds = CachedDataset(CountingDataset(16), capacity_bytes=1 << 20)
+    a, b = loader(ds), loader(ds)  # both have workers 0 and 1, alive at the same time
+    for _ in range(2):
+        for x, y in zip(a, b, strict=True):
+            assert x["x"].shape == y["x"].shape
+    st = ds.stats()
+    assert st.hits + st.misses == 64 and st.entries == 16
+    ds.close()
+
+
+def run_python(code: str, **kwargs: Any) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kwargs,
+    )
+
+
+def test_shared_memory_is_released_at_normal_exit() -> None:
+    proc = run_python(
+        """
+        from ignite_ext.data import CachedDataset
+        ds = CachedDataset(list(range(10)), capacity_bytes=1 << 20)
+        ds[0]
+        print(ds.segment, flush=True)
+        """
+    )
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    segment = out.strip()
+    assert segment.startswith(shm.SHM_DIR) and not os.path.exists(segment)
+    assert not os.path.exists(segment.replace(".arena", ".lock"))
+    assert "resource_tracker" not in err and "leaked" not in err
+
+
+def test_segments_of_a_killed_run_are_swept_by_the_next() -> None:
+    proc = run_python(
+        """
+        import time
+        from ignite_ext.data import CachedDataset
+        ds = CachedDataset(list(range(10)), capacity_bytes=1 << 20)
+        ds[0]
+        print(ds.segment, flush=True)
+        time.sleep(60)
+        """
+    )
+    assert proc.stdout is not None
+    segment = proc.stdout.readline().strip()
+    lock = segment.replace(".arena", ".lock")
+    assert os.path.basename(segment).startswith(f"ignite_ext_{proc.pid}_")
+    assert sweep_stale() == []  # alive: untouched
+    proc.kill()
+    proc.communicate(timeout=30)
+    assert os.path.exists(segment) and os.path.exists(lock)  # SIGKILL ran no cleanup
+    ds = CachedDataset([1], capacity_bytes=1 << 20)  # a new cache sweeps what dead creators left
+    assert not os.path.exists(segment) and not os.path.exists(lock)
+    ds.close()
+    assert not [n for n in os.listdir(shm.SHM_DIR) if n.startswith(f"ignite_ext_{proc.pid}_")]
+
+
+@pytest.mark.distributed
+def test_stats_handler_reports_each_epochs_hit_rate(caplog: pytest.LogCaptureFixture) -> None:
+    ds = CachedDataset(CountingDataset(16), capacity_bytes=1 << 20)
+    engine = Engine(lambda engine, batch: None)
+    CacheStatsHandler(ds, reduce="world").attach(engine, name="cache")
+    rates = []
+
+    @engine.on(Events.EPOCH_COMPLETED)
+    def record(engine: Engine) -> None:
+        m = engine.state.metrics
+        rates.append((m["cache/hit_rate"], m["cache/hits"], m["cache/misses"], m["cache/entries"]))
+
+    with caplog.at_level(logging.INFO):
+        engine.run(loader(ds, persistent_workers=True), max_epochs=3)
+    assert rates == [(0.0, 0, 16, 16), (1.0, 16, 0, 16), (1.0, 16, 0, 16)]
+    assert engine.state.metrics["cache/bytes"] == ds.stats().bytes
+    assert "cache: hit rate 100.0% (16 hits, 0 misses)" in caplog.text
+    with pytest.raises(ValueError, match="reduce"):
+        CacheStatsHandler(ds, reduce="host")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="reduce"):
+        ds.stats(reduce="host")  # type: ignore[arg-type]
+    ds.close()
