@@ -17,9 +17,10 @@ and resumable state.
 from __future__ import annotations
 
 import hashlib
+import operator
 import warnings
 from collections.abc import Iterator, Mapping, Sized
-from typing import Any, Literal, cast
+from typing import Any, Literal, SupportsIndex, cast
 
 import torch
 from torch.utils.data import Dataset, DistributedSampler
@@ -40,12 +41,17 @@ _LAYOUT_KEYS: tuple[str, ...] = ("dataset_len", "num_replicas", "shard_by", "nno
 
 
 def _check_int(name: str, value: object, minimum: int | None = None) -> int:
-    # bool is an int subclass; True as a rank or a size is always a mistake.
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}: {value!r}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
+    # operator.index accepts numpy and torch integers (an epoch counter often is one) and refuses floats; bool is
+    # refused separately because True as a rank or a size is always a mistake.
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        number = operator.index(cast(SupportsIndex, value))
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}: {value!r}") from None
+    if minimum is not None and number < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {number}")
+    return number
 
 
 def _check_index(name: str, value: object, size_name: str, size: int) -> int:

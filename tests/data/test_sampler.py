@@ -246,6 +246,16 @@ def test_bad_arguments_raise_clear_errors(kwargs: dict[str, Any], error: type[Ex
         ShardedDistributedSampler(range(10), **kwargs)
 
 
+def test_numpy_and_torch_integers_are_accepted() -> None:
+    import numpy as np
+
+    sampler = ShardedDistributedSampler(range(10), num_replicas=np.int64(2), rank=torch.tensor(1))  # type: ignore[arg-type]
+    sampler.set_epoch(np.int32(3))  # type: ignore[arg-type]
+    assert (sampler.num_replicas, sampler.rank, sampler.epoch) == (2, 1, 3)
+    assert type(sampler.epoch) is int
+    assert list(sampler) == shard_indices(10, 2, 1, epoch=3)
+
+
 def test_dataset_without_length_is_rejected() -> None:
     with pytest.raises(TypeError, match="must have a length"):
         ShardedDistributedSampler(iter(range(3)), num_replicas=1, rank=0)  # type: ignore[arg-type]
@@ -502,7 +512,8 @@ def _train(sampler: ShardedDistributedSampler, loader: DataLoader[Any], seen: li
     return engine
 
 
-def test_ignite_engine_resumes_mid_epoch_without_repeating_or_skipping() -> None:
+@pytest.mark.parametrize(("stop_at", "saved"), [(8, (1, 18)), (10, (1, 30)), (3, (0, 18))])
+def test_ignite_engine_resumes_without_repeating_or_skipping(stop_at: int, saved: tuple[int, int]) -> None:
     def make() -> tuple[ShardedDistributedSampler, DataLoader[Any]]:
         sampler = ShardedDistributedSampler(range(90), num_replicas=3, rank=1, seed=5)
         return sampler, DataLoader(range(90), batch_size=6, sampler=sampler)
@@ -513,10 +524,10 @@ def test_ignite_engine_resumes_mid_epoch_without_repeating_or_skipping() -> None
 
     seen: list[int] = []
     sampler, loader = make()
-    engine = _train(sampler, loader, seen, stop_at=8)  # 5 iterations per epoch: stop in epoch 2
+    engine = _train(sampler, loader, seen, stop_at=stop_at)  # 5 iterations per epoch; 10 ends epoch 2
     engine.run(loader, max_epochs=3)
     saved_engine, saved_sampler = engine.state_dict(), sampler.state_dict()
-    assert (saved_sampler["epoch"], saved_sampler["consumed"]) == (1, 18)
+    assert (saved_sampler["epoch"], saved_sampler["consumed"]) == saved
 
     sampler, loader = make()
     engine = _train(sampler, loader, seen, None)
