@@ -1,0 +1,134 @@
+"""CachedDataset across 4 gloo ranks: node scope shares one segment per node; samplers and hit rates; cleanup."""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import os
+from typing import Any
+
+import ignite.distributed as idist
+import pytest
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, Sampler
+
+from ignite_ext.data import CachedDataset, ShardedDistributedSampler
+from tests._world import run_world, values
+from tests.data.test_cache import CountingDataset
+
+N, EPOCHS = 32, 3
+
+
+def _train(base: CountingDataset, scope: str, sampler_kind: str) -> dict[str, Any]:
+    # Ranks are daemonic so that a stuck world is always reaped; DataLoader workers still need to be their
+    # children (they exit by themselves when their rank does).
+    mp.current_process().daemon = False
+    ds = CachedDataset(base, scope=scope, capacity_bytes=4 << 20)  # type: ignore[arg-type]
+    sampler: Sampler[int]
+    if sampler_kind == "torch":
+        sampler = DistributedSampler(ds, shuffle=True, seed=0)
+    else:
+        sampler = ShardedDistributedSampler(ds, shard_by=sampler_kind)  # type: ignore[arg-type]
+    dl = DataLoader(ds, batch_size=4, sampler=sampler, num_workers=2, multiprocessing_context="fork")
+    rates, seen, prev = [], set(), ds.stats()
+    for e in range(EPOCHS):
+        sampler.set_epoch(e)  # type: ignore[attr-defined]
+        for batch in dl:
+            assert torch.equal(batch["x"][:, 0], batch["i"].float())
+            seen.update(batch["i"].tolist())
+        idist.barrier()  # an epoch's loads are published before any rank starts the next
+        now = ds.stats()
+        rates.append((now - prev).hit_rate)
+        prev = now
+    world, node = ds.stats(reduce="world"), ds.stats(reduce="node")
+    try:
+        ds.stats(reduce="host")  # type: ignore[arg-type]
+        rejected = False
+    except ValueError:
+        rejected = True
+    assert ds.stats(reduce="world") == world  # the rejected call left every rank's collectives in step
+    segment = ds.segment
+    if idist.get_local_rank() != 0:
+        ds.close()  # ranks that attached must not delete the node's segment
+    idist.barrier()
+    kept = os.path.exists(segment)
+    idist.barrier()
+    ds.close()
+    idist.barrier()
+    return {
+        "node": idist.get_node_rank(),
+        "segment": segment,
+        "rates": rates,
+        "own": dataclasses.astuple(prev),
+        "world": dataclasses.astuple(world),
+        "node_stats": dataclasses.astuple(node),
+        "seen": sorted(seen),
+        "rejected": rejected,
+        "kept": kept,
+        "gone": not os.path.exists(segment),
+    }
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("scope", "sampler_kind", "nproc_per_node"),
+    [
+        ("node", "torch", 4),  # one node: every rank's epoch-0 loads serve all ranks afterwards
+        ("node", "torch", 2),  # two nodes: a node only has what its own ranks loaded
+        ("node", "node", 2),  # ShardedDistributedSampler(shard_by="node") pairs with node scope
+        ("rank", "rank", 4),  # ShardedDistributedSampler(shard_by="rank") pairs with rank scope
+    ],
+)
+def test_caches_across_ranks(scope: str, sampler_kind: str, nproc_per_node: int) -> None:
+    base = CountingDataset(N, context="forkserver")
+    out = values(run_world(_train, 4, nproc_per_node=nproc_per_node, args=(base, scope, sampler_kind), deadline=120))
+    loads = base.loads()
+    nodes = 4 // nproc_per_node
+    segments = {r["segment"] for r in out}
+    assert len(segments) == (nodes if scope == "node" else 4)
+    for r in out:
+        assert r["rejected"] and r["gone"]
+        if scope == "node":
+            assert r["segment"] == out[r["node"] * nproc_per_node]["segment"]  # one per node
+            assert r["kept"]
+    world = out[0]["world"]
+    assert all(r["world"] == world for r in out)
+    assert tuple(map(sum, zip(*(r["own"] for r in out), strict=True))) == world
+    hits, misses, entries, _ = world
+    assert hits + misses == N * EPOCHS
+    assert entries == misses == sum(loads)  # every load was published once, none was lost
+    if sampler_kind == "torch" and nodes == 1:
+        assert loads == [1] * N
+        assert all(r["rates"][1:] == [1.0] * (EPOCHS - 1) for r in out)
+    elif sampler_kind == "torch":
+        assert max(loads) <= nodes and sum(loads) > N  # a node reloads what only the other node had
+        for node in range(nodes):
+            ranks = [r for r in out if r["node"] == node]
+            assert ranks[0]["node_stats"][2] == len(set().union(*(r["seen"] for r in ranks)))
+    else:  # fixed shards: everything is loaded once, every later epoch is all hits
+        assert loads == [1] * N
+        assert all(r["rates"] == [0.0] + [1.0] * (EPOCHS - 1) for r in out)
+
+
+def _sizes(base: CountingDataset) -> bool:
+    if idist.get_local_rank() == 0:
+        base = CountingDataset(N + 1, context="fork")  # a different dataset on one node's leader
+    try:
+        CachedDataset(base, scope="node", capacity_bytes=1 << 20)
+    except ValueError as exc:
+        return "different lengths" in str(exc)
+    return False
+
+
+@pytest.mark.distributed
+def test_node_scope_rejects_ranks_with_different_datasets_on_every_rank() -> None:
+    base = CountingDataset(N, context="forkserver")
+    assert values(run_world(_sizes, 4, nproc_per_node=2, args=(base,), deadline=60)) == [True] * 4
+
+
+def test_without_a_process_group_node_scope_is_a_local_cache() -> None:
+    ds = CachedDataset(list(range(3)), scope="node", capacity_bytes=1 << 20)
+    assert [ds[i] for i in (0, 1, 0)] == [0, 1, 0]
+    assert ds.stats(reduce="node") == ds.stats(reduce="world") == ds.stats()
+    ds.close()
+
