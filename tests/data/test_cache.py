@@ -179,7 +179,7 @@ def test_two_workers_loading_one_index_publish_it_once() -> None:
     base = CountingDataset(4, delay=0.3)
     ds = CachedDataset(base, capacity_bytes=1 << 20)
     # batch_size=1 and each index twice in a row: worker 0 and worker 1 load the same index at the same time.
-    twice = DataLoader(ds, batch_size=1, sampler=[0, 0, 1, 1, 2, 2, 3, 3], num_workers=2, multiprocessing_context="fork")
+    twice = loader(ds, batch_size=1, sampler=[0, 0, 1, 1, 2, 2, 3, 3], shuffle=False)
     assert [b["i"].item() for b in twice] == [0, 0, 1, 1, 2, 2, 3, 3]
     assert base.loads() == [2, 2, 2, 2]
     one_size = ds._arena.lookup(0).nbytes  # type: ignore[union-attr]

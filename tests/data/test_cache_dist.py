@@ -131,4 +131,3 @@ def test_without_a_process_group_node_scope_is_a_local_cache() -> None:
     assert [ds[i] for i in (0, 1, 0)] == [0, 1, 0]
     assert ds.stats(reduce="node") == ds.stats(reduce="world") == ds.stats()
     ds.close()
-
