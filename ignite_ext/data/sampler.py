@@ -37,7 +37,7 @@ __all__ = [
 
 _SHARD_BY: tuple[str, ...] = ("rank", "node")
 #: Keys of :meth:`ShardedDistributedSampler.state_dict` that must match for a position to be resumed as is.
-_LAYOUT_KEYS: tuple[str, ...] = ("dataset_len", "num_replicas", "shard_by", "nnodes", "seed", "shuffle", "drop_last")
+_LAYOUT_KEYS = ("dataset_len", "num_replicas", "shard_by", "num_shards", "seed", "shuffle", "drop_last")
 
 
 def _check_int(name: str, value: object, minimum: int | None = None) -> int:
@@ -316,6 +316,13 @@ class ShardedDistributedSampler(DistributedSampler[int]):
         local_rank: this process on its node; default ``rank % nproc_per_node`` when ``rank`` is given, else
             ``idist.get_local_rank()``.
 
+    Attributes:
+        num_shards: how many shards the dataset is cut into: ``num_replicas``, or ``nnodes`` with
+            ``shard_by="node"``.
+        shard: the shard this process reads: ``rank``, or ``node_rank`` with ``shard_by="node"``.
+        nnodes: the node layout with ``shard_by="node"`` (``nnodes``, ``node_rank``, ``nproc_per_node`` and
+            ``local_rank``); all four are ``None`` with ``shard_by="rank"``.
+
     Raises:
         TypeError: ``dataset`` has no length, or an argument has the wrong type.
         ValueError: an argument is out of range or inconsistent (e.g. ``rank >= num_replicas``, an unknown
@@ -415,7 +422,6 @@ class ShardedDistributedSampler(DistributedSampler[int]):
             given = [name for name, value in node_args.items() if value is not None]
             if given:
                 raise ValueError(f"{', '.join(given)} only apply to shard_by='node'")
-            nnodes, node_rank, nproc_per_node, local_rank = replicas, this_rank, 1, 0
 
         # Explicit values: torch's constructor would otherwise ask torch.distributed, which is not initialised
         # under Horovod, XLA or in serial mode.
@@ -428,10 +434,12 @@ class ShardedDistributedSampler(DistributedSampler[int]):
             drop_last=drop_last,
         )
         self.shard_by: Literal["rank", "node"] = shard_by
-        self.nnodes: int = nnodes
-        self.node_rank: int = node_rank
-        self.nproc_per_node: int = nproc_per_node
-        self.local_rank: int = local_rank
+        self.nnodes: int | None = nnodes
+        self.node_rank: int | None = node_rank
+        self.nproc_per_node: int | None = nproc_per_node
+        self.local_rank: int | None = local_rank
+        self.num_shards: int = replicas if nnodes is None else nnodes
+        self.shard: int = this_rank if node_rank is None else node_rank
         self._dataset_len = len(dataset)
         self.num_samples = samples_per_replica(self._dataset_len, replicas, drop_last)
         self.total_size = self.num_samples * replicas
@@ -460,11 +468,11 @@ class ShardedDistributedSampler(DistributedSampler[int]):
         .. versionadded:: 0.1.0
         """
         epoch = self.epoch if epoch is None else epoch
-        if self.shard_by == "node":
+        if self.nproc_per_node is not None and self.local_rank is not None:
             return node_shard_indices(
                 self._dataset_len,
-                self.nnodes,
-                self.node_rank,
+                self.num_shards,
+                self.shard,
                 self.nproc_per_node,
                 self.local_rank,
                 seed=self.seed,
@@ -564,7 +572,7 @@ class ShardedDistributedSampler(DistributedSampler[int]):
 
         Returns:
             ``{"epoch", "consumed"}`` plus the layout the position refers to (``dataset_len``,
-            ``num_replicas``, ``shard_by``, ``nnodes``, ``seed``, ``shuffle``, ``drop_last``). Plain Python
+            ``num_replicas``, ``shard_by``, ``num_shards``, ``seed``, ``shuffle``, ``drop_last``). Plain Python
             values, the same on every rank.
 
         Raises:
@@ -589,7 +597,7 @@ class ShardedDistributedSampler(DistributedSampler[int]):
             "dataset_len": self._dataset_len,
             "num_replicas": self.num_replicas,
             "shard_by": self.shard_by,
-            "nnodes": self.nnodes,
+            "num_shards": self.num_shards,
             "seed": self.seed,
             "shuffle": self.shuffle,
             "drop_last": self.drop_last,

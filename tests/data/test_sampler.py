@@ -201,7 +201,8 @@ def test_sampler_iterates_the_pure_function(
 def test_defaults_come_from_idist_in_serial_mode() -> None:
     assert idist.get_world_size() == 1
     sampler = ShardedDistributedSampler(range(7))
-    assert (sampler.num_replicas, sampler.rank) == (1, 0)
+    assert (sampler.num_replicas, sampler.rank, sampler.num_shards, sampler.shard) == (1, 0, 1, 0)
+    assert (sampler.nnodes, sampler.node_rank, sampler.nproc_per_node, sampler.local_rank) == (None,) * 4
     assert sorted(sampler) == list(range(7))
     node = ShardedDistributedSampler(range(7), shard_by="node")
     assert (node.nnodes, node.node_rank, node.nproc_per_node, node.local_rank) == (1, 0, 1, 0)
@@ -218,6 +219,7 @@ def test_defaults_from_idist_are_used_when_not_given(monkeypatch: pytest.MonkeyP
     sampler = ShardedDistributedSampler(range(60), shard_by="node")
     assert (sampler.num_replicas, sampler.rank) == (6, 4)
     assert (sampler.nnodes, sampler.node_rank, sampler.nproc_per_node, sampler.local_rank) == (3, 2, 2, 0)
+    assert (sampler.num_shards, sampler.shard) == (3, 2)
     assert set(sampler) <= set(range(40, 60))
 
 
