@@ -11,10 +11,21 @@ import ignite.distributed as _ignite_distributed
 from ignite.distributed import *  # noqa: F403
 
 from ignite_ext.distributed.errors import RankFailedError, RankFailure
+from ignite_ext.distributed.policies import Comm, MasterFirst, Ordered, Plan, Policy, Turn, World
+from ignite_ext.distributed.schedule import one_rank_first, rank_scheduler
 
 __all__ = [
+    "Comm",
+    "MasterFirst",
+    "Ordered",
+    "Plan",
+    "Policy",
     "RankFailedError",
     "RankFailure",
+    "Turn",
+    "World",
+    "one_rank_first",
+    "rank_scheduler",
 ]
 # ignite.distributed has no __all__ of its own: its public names are what it exposes without a leading "_".
 __all__ += sorted(n for n in dir(_ignite_distributed) if not n.startswith("_") and n not in __all__)

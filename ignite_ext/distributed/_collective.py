@@ -1,0 +1,57 @@
+"""Backend-agnostic collectives built only on ``idist.all_gather`` of tensors (NCCL, Gloo, Horovod, XLA)."""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from typing import Any
+
+import ignite.distributed as idist
+import torch
+
+from ignite_ext.distributed.policies import Comm
+
+__all__ = ["IdistComm", "all_gather_bytes", "fingerprint"]
+
+# Some backends (XLA) run collectives in float32, which holds integers exactly only up to 2**24.
+_CHUNK_BITS = 24
+
+
+def fingerprint(text: str, chunks: int = 4) -> list[int]:
+    """Hash ``text`` into ``chunks`` integers below 2**24, exact in any collective dtype."""
+    digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:12], "big")
+    mask = (1 << _CHUNK_BITS) - 1
+    return [(digest >> (_CHUNK_BITS * i)) & mask for i in range(chunks)]
+
+
+def all_gather_rows(row: list[int]) -> list[list[int]]:
+    """Gather one small row of integers (< 2**24) from every rank, in one collective."""
+    if idist.get_world_size() == 1:
+        return [list(row)]
+    t = torch.tensor([row], dtype=torch.int64, device=idist.device())
+    gathered = idist.all_gather(t)
+    assert isinstance(gathered, torch.Tensor)
+    return [[int(v) for v in r] for r in gathered.cpu().tolist()]
+
+
+def all_gather_bytes(data: bytes) -> list[bytes]:
+    """Gather a byte string of any length from every rank (two collectives: lengths, then padded bytes)."""
+    if idist.get_world_size() == 1:
+        return [data]
+    lengths = [r[0] for r in all_gather_rows([len(data)])]
+    width = max(1, max(lengths))
+    buf = torch.zeros((1, width), dtype=torch.uint8)
+    if data:
+        buf[0, : len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    gathered = idist.all_gather(buf.to(idist.device()))
+    assert isinstance(gathered, torch.Tensor)
+    rows = gathered.to("cpu", torch.uint8)
+    return [bytes(rows[r, : lengths[r]].tolist()) for r in range(len(lengths))]
+
+
+class IdistComm(Comm):
+    """:class:`~ignite_ext.distributed.Comm` over the current idist computation model."""
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Return every rank's ``obj``, pickled through :func:`all_gather_bytes`."""
+        return [pickle.loads(b) for b in all_gather_bytes(pickle.dumps(obj))]
