@@ -554,3 +554,4 @@ def test_benchmark_contract_and_cache_claims() -> None:
     assert all(0 < r["torch_hit_pct"] < 75 for r in rows[1:])  # torch reshuffles across ranks
     assert rows[-1]["torch_cache_per_rank"] > 2_000 // 2
     assert {result["plot"]["x"], *result["plot"]["y"]} <= set(rows[0])
+

@@ -14,22 +14,33 @@ EPOCHS = 2
 
 
 def _seen_per_epoch(shard_by: str, n: int, epochs: int) -> dict[str, Any]:
+    from ignite.contrib.engines.common import setup_common_training_handlers
+    from ignite.engine import Engine
+
     import ignite_ext.distributed as idist
     from ignite_ext.data import ShardedDistributedSampler
 
     sampler = ShardedDistributedSampler(list(range(n)), seed=11, shard_by=shard_by)
     # batch_size 8 over 4 ranks: auto_dataloader gives each rank batches of 2
     loader = idist.auto_dataloader(list(range(n)), batch_size=8, sampler=sampler)
-    seen = []
-    for epoch in range(epochs):
-        sampler.set_epoch(epoch)
-        seen.append([int(i) for batch in loader for i in batch])
+    seen: list[list[int]] = []
+
+    def step(engine: Engine, batch: Any) -> None:
+        if engine.state.iteration % engine.state.epoch_length == 1:
+            seen.append([])
+        seen[-1].extend(int(i) for i in batch)
+
+    trainer = Engine(step)
+    # ignite's own handlers call set_epoch; they accept the sampler because it is a DistributedSampler
+    setup_common_training_handlers(trainer, train_sampler=sampler, with_pbars=False, stop_on_nan=False)
+    trainer.run(loader, max_epochs=epochs)
     return {
         "rank": idist.get_rank(),
         "node": (sampler.node_rank, sampler.local_rank) if shard_by == "node" else None,
         "idist_node": (idist.get_node_rank(), idist.get_local_rank()),
         "same_sampler": loader.sampler is sampler,
         "len": len(sampler),
+        "epoch": sampler.epoch,
         "seen": seen,
     }
 
@@ -39,6 +50,7 @@ def test_four_ranks_keep_disjoint_shards_that_cover_the_dataset() -> None:
     results = values(run_world(_seen_per_epoch, 4, args=("rank", N, EPOCHS)))
     assert [r["rank"] for r in results] == [0, 1, 2, 3]
     assert all(r["same_sampler"] for r in results)  # auto_dataloader used it as is, not a proxy
+    assert all(r["epoch"] == EPOCHS - 1 and len(r["seen"]) == EPOCHS for r in results)
     length = -(-N // 4)
     assert all(r["len"] == length for r in results)
     for epoch in range(EPOCHS):
