@@ -13,6 +13,7 @@ from ignite.distributed import *  # noqa: F403
 from ignite_ext.distributed.errors import RankFailedError, RankFailure
 from ignite_ext.distributed.policies import Comm, MasterFirst, Ordered, Plan, Policy, Turn, World
 from ignite_ext.distributed.schedule import one_rank_first, rank_scheduler
+from ignite_ext.distributed.shared_path import SharedPath
 
 __all__ = [
     "Comm",
@@ -22,6 +23,7 @@ __all__ = [
     "Policy",
     "RankFailedError",
     "RankFailure",
+    "SharedPath",
     "Turn",
     "World",
     "one_rank_first",
