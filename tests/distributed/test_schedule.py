@@ -6,6 +6,7 @@ check the same body in serial mode, over 4 gloo ranks with the store channel, an
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import signal
@@ -197,7 +198,7 @@ def test_master_first_other_rank_and_local(mode: str) -> None:
 def test_ordered_runs_ranks_one_at_a_time(mode: str) -> None:
     seen = launch(body_ordered, mode, False)
     assert [s["outcome"] for s in seen] == ["ok"] * len(seen)
-    for prev, nxt in zip(seen, seen[1:], strict=False):
+    for prev, nxt in itertools.pairwise(seen):
         assert nxt["start"] >= prev["end"], "ordered blocks overlapped"
 
 
@@ -330,6 +331,5 @@ def test_serial_mode_yields_truthy() -> None:
         assert download
     with idist.rank_scheduler(order=idist.Ordered()) as turn:
         assert turn and turn.group == (0,)
-    with pytest.raises(ValueError, match="rank should be between 0 and 0"):
-        with idist.one_rank_first(rank=1):
-            pass
+    with pytest.raises(ValueError, match="rank should be between 0 and 0"), idist.one_rank_first(rank=1):
+        pass
