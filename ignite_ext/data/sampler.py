@@ -36,7 +36,7 @@ __all__ = [
 ]
 
 _SHARD_BY: tuple[str, ...] = ("rank", "node")
-#: Keys of :meth:`ShardedDistributedSampler.state_dict` that must match for a position to be resumed as is.
+# A saved position names the same samples only if all of these match; otherwise its epoch restarts.
 _LAYOUT_KEYS = ("dataset_len", "num_replicas", "shard_by", "num_shards", "seed", "shuffle", "drop_last")
 
 
