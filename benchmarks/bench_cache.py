@@ -119,7 +119,7 @@ def _one_size(sample_bytes: int, n: int, epochs: int, manager: SyncManager, root
     memory: dict[str, float] = {}
 
     def measure_memory(loader: DataLoader[Any]) -> None:
-        workers = [w.pid for w in loader._iterator._workers]  # type: ignore[attr-defined]
+        workers = [w.pid for w in loader._iterator._workers]  # type: ignore[union-attr]
         memory["pss"] = mapped_pss(cached.segment, [os.getpid(), *workers])
         memory["bytes"] = cached.stats().bytes
 

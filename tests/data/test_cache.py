@@ -43,7 +43,7 @@ class CountingDataset:
         return {"x": torch.full((self.size,), float(i + self.offset)), "i": i, "name": f"s{i}"}
 
     def loads(self) -> list[int]:
-        return list(self.counts)
+        return [int(c) for c in self.counts[:]]
 
 
 class KillBeforePublish(CachedDataset):
@@ -131,7 +131,7 @@ def test_returned_samples_can_be_modified_without_touching_the_cache() -> None:
 def test_indexing_matches_the_wrapped_dataset() -> None:
     ds = CachedDataset(list("abcd"), capacity_bytes=1 << 20)
     assert len(ds) == 4
-    assert ds[-1] == "d" and ds[torch.tensor(1).item()] == "b"
+    assert ds[-1] == "d" and ds[torch.tensor(1)] == "b"  # type: ignore[index]
     with pytest.raises(IndexError):
         ds[4]
     ds.close()

@@ -10,7 +10,7 @@ from typing import Any
 import ignite.distributed as idist
 import pytest
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, DistributedSampler
 
 from ignite_ext.data import CachedDataset, ShardedDistributedSampler
 from tests._world import run_world, values
@@ -24,7 +24,7 @@ def _train(base: CountingDataset, scope: str, sampler_kind: str) -> dict[str, An
     # children (they exit by themselves when their rank does).
     mp.current_process().daemon = False
     ds = CachedDataset(base, scope=scope, capacity_bytes=4 << 20)  # type: ignore[arg-type]
-    sampler: Sampler[int]
+    sampler: DistributedSampler[int]
     if sampler_kind == "torch":
         sampler = DistributedSampler(ds, shuffle=True, seed=0)
     else:
@@ -32,7 +32,7 @@ def _train(base: CountingDataset, scope: str, sampler_kind: str) -> dict[str, An
     dl = DataLoader(ds, batch_size=4, sampler=sampler, num_workers=2, multiprocessing_context="fork")
     rates, seen, prev = [], set(), ds.stats()
     for e in range(EPOCHS):
-        sampler.set_epoch(e)  # type: ignore[attr-defined]
+        sampler.set_epoch(e)
         for batch in dl:
             assert torch.equal(batch["x"][:, 0], batch["i"].float())
             seen.update(batch["i"].tolist())
