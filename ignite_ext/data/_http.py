@@ -57,6 +57,13 @@ class RetryableError(Exception):
     Args:
         message: what went wrong, naming the URL.
         retry_after: the server's ``Retry-After`` in seconds, when it sent a usable one.
+
+    Examples:
+        >>> from ignite_ext.data._http import RetryableError
+        >>> RetryableError("http://host/a: HTTP 503", retry_after=2.0).retry_after
+        2.0
+
+    .. versionadded:: 0.1.0
     """
 
     def __init__(self, message: str, retry_after: float | None = None) -> None:
@@ -70,6 +77,13 @@ class FatalHTTPError(Exception):
     Args:
         message: what went wrong, naming the URL and the status.
         status: the HTTP status code.
+
+    Examples:
+        >>> from ignite_ext.data._http import FatalHTTPError
+        >>> FatalHTTPError("http://host/a: HTTP 404 Not Found", 404).status
+        404
+
+    .. versionadded:: 0.1.0
     """
 
     def __init__(self, message: str, status: int) -> None:
@@ -84,6 +98,17 @@ class Validator:
     Attributes:
         etag: a strong ``ETag`` (weak ones cannot validate a range, RFC 9110 §13.1.5), or None.
         last_modified: the ``Last-Modified`` header, or None.
+
+    Examples:
+        >>> from email.message import Message
+        >>> from ignite_ext.data._http import Validator
+        >>> headers = Message()
+        >>> headers["ETag"] = 'W/"weak"'
+        >>> headers["Last-Modified"] = "Mon, 30 Nov 2026 08:00:00 GMT"
+        >>> Validator.from_headers(headers).if_range  # a weak ETag cannot validate a range
+        'Mon, 30 Nov 2026 08:00:00 GMT'
+
+    .. versionadded:: 0.1.0
     """
 
     etag: str | None = None
@@ -113,6 +138,14 @@ class Response:
         total: the full size of the file, or None when the server did not say.
         validator: the version of the file this body belongs to.
         complete: True when the server says the bytes already held are the whole file (nothing to read).
+
+    Examples:
+        >>> import io
+        >>> from ignite_ext.data._http import Response, Validator
+        >>> Response(io.BytesIO(b"rest"), offset=10, total=14, validator=Validator(etag='"v1"')).complete
+        False
+
+    .. versionadded:: 0.1.0
     """
 
     body: IO[bytes]
@@ -123,7 +156,21 @@ class Response:
 
 
 def check_scheme(url: str) -> None:
-    """Raise :class:`ValueError` unless ``url`` is ``http``, ``https`` or ``file``."""
+    """Raise :class:`ValueError` unless ``url`` is ``http``, ``https`` or ``file``.
+
+    Args:
+        url: the URL to check.
+
+    Examples:
+        >>> from ignite_ext.data._http import check_scheme
+        >>> check_scheme("https://example.org/a.bin")
+        >>> check_scheme("ftp://example.org/a.bin")
+        Traceback (most recent call last):
+        ...
+        ValueError: unsupported URL scheme 'ftp' in 'ftp://example.org/a.bin'; expected one of http, https, file
+
+    .. versionadded:: 0.1.0
+    """
     scheme = urllib.parse.urlsplit(url).scheme.lower()
     if scheme not in SCHEMES:
         raise ValueError(f"unsupported URL scheme {scheme!r} in {url!r}; expected one of {', '.join(SCHEMES)}")
@@ -132,7 +179,20 @@ def check_scheme(url: str) -> None:
 def backoff_delay(attempt: int, retry_after: float | None = None) -> float:
     """Seconds to wait before retry number ``attempt`` (0-based): exponential with jitter.
 
-    A small ``Retry-After`` wins over the backoff; a large one is not waited for (the caller moves on later).
+    A small ``Retry-After`` wins over the backoff; a large one is not waited for (the backoff applies).
+
+    Args:
+        attempt: how many retries came before this one.
+        retry_after: the server's ``Retry-After`` in seconds, if any.
+
+    Examples:
+        >>> from ignite_ext.data._http import backoff_delay
+        >>> backoff_delay(3, retry_after=5.0)
+        5.0
+        >>> 8.0 <= backoff_delay(3) <= 9.0  # base 1 s: 1 * 2**3 plus up to 1 s of jitter
+        True
+
+    .. versionadded:: 0.1.0
     """
     if retry_after is not None and retry_after <= RETRY_AFTER_MAX_S:
         return retry_after
@@ -148,9 +208,32 @@ def open_range(url: str, offset: int, validator: Validator | None, timeout: floa
     ``If-Range``: a server that supports both answers 206 with the rest, and one that does not (or whose
     file changed) answers 200 with the whole file, which :attr:`Response.offset` reports as 0.
 
+    Args:
+        url: ``http``, ``https`` or ``file`` URL.
+        offset: how many bytes of the file are already held.
+        validator: the version those bytes belong to.
+        timeout: seconds to wait for the connection and for each read.
+
+    Returns:
+        The open response; :attr:`Response.offset` says where its body starts.
+
     Raises:
         RetryableError: connection errors, timeouts, 5xx and 429.
         FatalHTTPError: the other 4xx.
+
+    Examples:
+        >>> import tempfile
+        >>> from pathlib import Path
+        >>> from ignite_ext.data._http import open_range
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     source = Path(tmp, "a.txt")
+        ...     _ = source.write_bytes(b"hello")
+        ...     response = open_range(source.as_uri(), 0, None, timeout=5)
+        ...     with response.body:
+        ...         print(response.offset, response.total, response.body.read())
+        0 5 b'hello'
+
+    .. versionadded:: 0.1.0
     """
     headers = {"User-Agent": _USER_AGENT, "Accept-Encoding": "identity"}
     resume = offset > 0 and validator is not None and validator.if_range is not None

@@ -211,6 +211,8 @@ def download_url(
     urls = [url, *mirrors]
     for each in urls:
         check_scheme(each)
+    if retries < 0 or not timeout > 0:
+        raise ValueError(f"need retries >= 0 and timeout > 0, got retries={retries}, timeout={timeout}")
     expected = _expected_digests(sha256=sha256, md5=md5)
     root_dir = Path(root).expanduser()
     root_dir.mkdir(parents=True, exist_ok=True)
@@ -281,8 +283,6 @@ def cli(args: argparse.Namespace) -> int:
 
     .. versionadded:: 0.1.0
     """
-    from ignite_ext.data.extract import ArchiveError
-
     try:
         path = download_url(
             args.url,
@@ -296,7 +296,7 @@ def cli(args: argparse.Namespace) -> int:
             retries=args.retries,
             progress=args.progress,
         )
-    except (OSError, ValueError, ArchiveError) as exc:
+    except (OSError, ValueError) as exc:  # ArchiveError is a ValueError
         message = " ".join(str(exc).split())
         print(f"error: {type(exc).__name__}: {message}", file=sys.stderr)
         return 1
@@ -646,9 +646,9 @@ def _adopt(candidate: Path, mine: Path, urls: Sequence[str], algorithms: set[str
     try:
         # The rename is the claim: it succeeds for one caller only, lock or no lock.
         os.rename(candidate, mine)
+        os.utime(mine)  # fresh mtime: other hosts must not take it for an idle orphan
     except FileNotFoundError:
         return None
-    os.utime(mine)  # fresh mtime: other hosts must not take it for an idle orphan
     partial = _Partial(mine, algorithms, label)
     if os.fstat(partial.fd).st_ino != record.get("inode"):
         # The record belongs to other bytes (a concurrent park replaced one of the two files): start over.

@@ -19,12 +19,14 @@ import contextlib
 import errno
 import json
 import logging
+import lzma
 import os
 import re
 import shutil
 import stat
 import tarfile
 import zipfile
+import zlib
 from collections import deque
 from collections.abc import Mapping
 from pathlib import Path
@@ -43,6 +45,8 @@ _SUFFIXES = {".tar.gz": "tar", ".tgz": "tar", ".tar.bz2": "tar", ".tar.xz": "tar
 _RECORD = ".ignite_ext-extracted.json"
 _MAX_LINK_HOPS = 40
 _CHUNK = 1 << 20
+# What a truncated or corrupt archive raises from the standard library's readers and decompressors.
+_UNREADABLE = (tarfile.TarError, zipfile.BadZipFile, EOFError, zlib.error, lzma.LZMAError, OSError)
 
 
 class ArchiveError(ValueError):
@@ -171,15 +175,24 @@ def _extract_atomically(
     temp.mkdir()
     try:
         logger.info("extracting %s into %s", archive, dest)
-        if kind == "tar":
-            _extract_tar(archive, temp, max_total_bytes)
-        else:
-            _extract_zip(archive, temp, max_total_bytes)
+        _extract_checked(archive, kind, temp, max_total_bytes)
         _check_links(temp)
         (temp / _RECORD).write_text(json.dumps(dict(identity), sort_keys=True), encoding="utf-8")
         _publish(temp, dest, identity)
     finally:
         shutil.rmtree(temp, ignore_errors=True)
+
+
+def _extract_checked(archive: Path, kind: str, dest: Path, max_total_bytes: int) -> None:
+    try:
+        if kind == "tar":
+            _extract_tar(archive, dest, max_total_bytes)
+        else:
+            _extract_zip(archive, dest, max_total_bytes)
+    except _UNREADABLE as exc:
+        if isinstance(exc, OSError) and exc.errno is not None:
+            raise  # the disk, not the archive (gzip and bz2 report corrupt streams as OSError without errno)
+        raise ArchiveError(f"{archive.name}: unreadable archive: {exc}") from exc
 
 
 def _publish(temp: Path, dest: Path, identity: Mapping[str, Any]) -> None:

@@ -340,3 +340,27 @@ def test_cli_prints_the_path_or_one_error_line(
         main(["download", url, "--root", str(tmp_path), "--md5", "0" * 32, "--filename", "b.bin", "--no-progress"]) == 1
     )
     assert capsys.readouterr().err.startswith("error: ChecksumError: ")
+
+
+def test_file_fsynced_before_publish_and_directory_after(
+    server: TestHTTPServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+        events.append(("replace", os.fspath(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    url = server.add("/a.bin", DATA)
+    target = download_url(url, tmp_path, sha256=SHA, progress=False)
+    publish = events.index(("replace", str(target)))
+    kind, path = events[publish - 1]
+    assert kind == "fsync" and re.fullmatch(rf"{tmp_path}/\.a\.bin\.[\w-]+\.\d+\.[0-9a-f]{{8}}\.tmp", path)
+    assert events[publish + 1] == ("fsync", str(tmp_path))

@@ -281,3 +281,18 @@ def _no_leaks(tmp_path: Path) -> Iterator[None]:
     yield
     leaked = [p for p in tmp_path.rglob(".*") if p.name.endswith((".extracting", ".old", ".tmp"))]
     assert leaked == []
+
+
+@pytest.mark.parametrize("suffix", [".tar", ".tar.gz", ".tar.bz2", ".tar.xz", ".zip"])
+def test_truncated_archive_is_an_archive_error(tmp_path: Path, suffix: str) -> None:
+    payload = os.urandom(200_000)
+    archive = tmp_path / f"data{suffix}"
+    if suffix == ".zip":
+        make_zip(archive, ("big.bin", payload))
+    else:
+        make_tar(archive, regular("big.bin", payload))
+    data = archive.read_bytes()
+    archive.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ArchiveError, match="unreadable archive"):
+        extract_archive(archive, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
