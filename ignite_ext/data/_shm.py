@@ -27,6 +27,7 @@ import mmap
 import os
 import re
 import secrets
+import threading
 import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -208,6 +209,8 @@ class _Local:
     stats: memoryview
     data: memoryview
     claimed: dict[int, int]  # row -> this process's counter slot in that row
+    # flock excludes other processes only: threads of this process share its descriptor, so they take this first.
+    thread_lock: threading.Lock
 
 
 def _open_local(path: str, arena_fd: int | None = None, mm: mmap.mmap | None = None) -> _Local:
@@ -232,6 +235,7 @@ def _open_local(path: str, arena_fd: int | None = None, mm: mmap.mmap | None = N
         stats=whole[stats_off : stats_off + rows * _SLOTS_PER_ROW * _SLOT_WORDS * 8].cast("Q"),
         data=whole[data_off : data_off + header[_H_CAPACITY]],
         claimed={},
+        thread_lock=threading.Lock(),
     )
 
 
@@ -372,11 +376,12 @@ class Arena:
 
     @contextlib.contextmanager
     def _locked(self, local: _Local) -> Iterator[None]:
-        fcntl.flock(local.lock_fd, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(local.lock_fd, fcntl.LOCK_UN)
+        with local.thread_lock:
+            fcntl.flock(local.lock_fd, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(local.lock_fd, fcntl.LOCK_UN)
 
     @property
     def size(self) -> int:
@@ -451,13 +456,8 @@ class Arena:
             own = local.claimed[row] = self._claim(local, row, slot)
         base = (row * _SLOTS_PER_ROW + own) * _SLOT_WORDS
         words = local.stats
-        if own != _SHARED_SLOT:  # this process is the slot's only writer
-            words[base + _HITS] += hits
-            words[base + _MISSES] += misses
-            words[base + _ENTRIES] += entries
-            words[base + _BYTES] += nbytes
-            return
-        with self._locked(local):
+        # In its own slot this process is the only writer: its threads need only exclude each other.
+        with local.thread_lock if own != _SHARED_SLOT else self._locked(local):
             words[base + _HITS] += hits
             words[base + _MISSES] += misses
             words[base + _ENTRIES] += entries

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from typing import Any
 
@@ -207,8 +208,14 @@ def test_second_publisher_of_an_entry_loses() -> None:
 def test_worker_killed_between_write_and_publish_leaves_no_half_entry() -> None:
     base = CountingDataset(12)
     ds = KillBeforePublish(base, capacity_bytes=1 << 20)
+    it = iter(loader(ds, shuffle=False, batch_size=1))
     with pytest.raises(RuntimeError, match="DataLoader worker"):
-        epoch(loader(ds, shuffle=False, batch_size=1))
+        for _ in it:
+            pass
+    # Unregister the dead worker now: DataLoader's SIGCHLD handler would otherwise raise again at a later,
+    # arbitrary point of this process while the failed iterator is alive.
+    it._shutdown_workers()  # type: ignore[attr-defined]
+    del it
     k = KillBeforePublish.kill_index
     assert base.loads()[k] == 1
     assert ds._arena.lookup(k) is None  # its bytes were written, but never published
@@ -320,4 +327,28 @@ def test_stats_handler_reports_each_epochs_hit_rate(caplog: pytest.LogCaptureFix
         CacheStatsHandler(ds, reduce="host")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="reduce"):
         ds.stats(reduce="host")  # type: ignore[arg-type]
+    ds.close()
+
+
+def test_threads_of_one_process_store_and_count_consistently() -> None:
+    ds = CachedDataset([torch.full((1000,), float(i)) for i in range(100)], capacity_bytes=4 << 20)
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            for _ in range(3):
+                for i in range(100):
+                    assert ds[i][0] == float(i)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    st = ds.stats()
+    assert st.hits + st.misses == 1200 and st.entries == 100
+    assert all(ds[i][0] == float(i) for i in range(100))
     ds.close()
