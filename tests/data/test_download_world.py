@@ -71,13 +71,13 @@ def fetch(url: str, root: str, sha256: str | None, no_lock: bool = False) -> dic
     return {"path": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "waits": waits.count}
 
 
-def fetch_one_rank_first(url: str, root: str, sha256: str) -> dict[str, Any]:
+def fetch_scheduled(url: str, root: str, sha256: str, policy: str) -> dict[str, Any]:
     import ignite_ext.distributed as idist
 
-    with idist.one_rank_first() as turn:
+    scheduled = idist.one_rank_first() if policy == "one_rank_first" else idist.rank_scheduler(idist.SharedPath(root))
+    with scheduled as turn:
         result = fetch(url, root, sha256)
-    # ignite's one_rank_first yields None; the scheduler's yields whether this rank went first.
-    result["first"] = None if turn is None else bool(turn)
+    result["first"] = bool(turn)
     return result
 
 
@@ -119,14 +119,15 @@ def test_lock_that_does_nothing_never_corrupts(server: TestHTTPServer, tmp_path:
     assert server.bytes_served("/a.bin") >= len(DATA) - 300_000
 
 
-def test_inside_one_rank_first(server: TestHTTPServer, tmp_path: Path) -> None:
+@pytest.mark.parametrize("policy", ["one_rank_first", "SharedPath"])
+def test_inside_the_rank_scheduler(server: TestHTTPServer, tmp_path: Path, policy: str) -> None:
     url = server.add("/a.bin", DATA)
-    results = values(run_world(fetch_one_rank_first, 4, args=(url, str(tmp_path), SHA), env=ENV, deadline=60))
+    args = (url, str(tmp_path), SHA, policy)
+    results = values(run_world(fetch_scheduled, 4, args=args, env=ENV, deadline=60))
     check_all_got_the_file(results, tmp_path)
     assert server.bytes_served("/a.bin") == len(DATA) and len(server.requests("/a.bin")) == 1
-    firsts = [r["first"] for r in results]
-    assert firsts == [None] * 4 or firsts == [True, False, False, False]
-    # The others ran after rank 0 had published: none of them had to wait on the file lock.
+    assert [r["first"] for r in results].count(True) == 1
+    # The others ran after the first rank had published: none of them had to wait on the file lock.
     assert [r["waits"] for r in results] == [0, 0, 0, 0]
 
 
