@@ -468,8 +468,13 @@ def _acquire_now(lock: _Lock) -> bool:
 # --- verification ---------------------------------------------------------------------------------------------
 
 
+def _hashers(algorithms: Iterable[str]) -> dict[str, Any]:
+    # Integrity checks, not security: MD5 must stay usable on FIPS-restricted builds too.
+    return {name: hashlib.new(name, usedforsecurity=False) for name in algorithms}
+
+
 def _hash_file(path: Path, algorithms: Iterable[str]) -> dict[str, str]:
-    hashers = {name: hashlib.new(name) for name in algorithms}
+    hashers = _hashers(algorithms)
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
             for hasher in hashers.values():
@@ -490,8 +495,8 @@ def _digests_of(target: Path, st: os.stat_result, algorithms: set[str]) -> dict[
     """The digests of ``target``, from the record if it still describes the file, else by hashing it."""
     record = _read_json(_verified_path(target))
     if record is not None and all(record.get(k) == v for k, v in _file_key(st).items()):
-        known: dict[str, str] = record.get("digests") or {}
-        if algorithms <= known.keys():
+        known = record.get("digests")
+        if isinstance(known, dict) and algorithms <= known.keys():
             return known
     digests = _hash_file(target, algorithms | {"sha256"})
     _remember_digests(target, st, digests)
@@ -534,9 +539,8 @@ class _Partial:
         # True when the bytes came from more than one response: a digest mismatch may then be the splice's fault.
         self.resumed = False
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_BINARY", 0), 0o666)
-        self.size = os.fstat(self.fd).st_size
-        self._hashers = {name: hashlib.new(name) for name in self.algorithms}
-        os.lseek(self.fd, 0, os.SEEK_SET)
+        self._hashers = _hashers(self.algorithms)
+        # Bytes taken over from an earlier writer count towards the digests like any other.
         while chunk := os.read(self.fd, _CHUNK):
             self._update(chunk)
         self.size = os.lseek(self.fd, 0, os.SEEK_END)
@@ -550,7 +554,7 @@ class _Partial:
         os.lseek(self.fd, 0, os.SEEK_SET)
         self.size = 0
         self.resumed = False
-        self._hashers = {name: hashlib.new(name) for name in self.algorithms}
+        self._hashers = _hashers(self.algorithms)
 
     def append(self, data: bytes) -> None:
         view = memoryview(data)
