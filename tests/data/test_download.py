@@ -364,3 +364,36 @@ def test_file_fsynced_before_publish_and_directory_after(
     kind, path = events[publish - 1]
     assert kind == "fsync" and re.fullmatch(rf"{tmp_path}/\.a\.bin\.[\w-]+\.\d+\.[0-9a-f]{{8}}\.tmp", path)
     assert events[publish + 1] == ("fsync", str(tmp_path))
+
+
+def test_ctrl_c_parks_the_bytes_for_the_next_call(
+    server: TestHTTPServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = server.add("/a.bin", DATA)
+    real_append = dl._Partial.append
+
+    def interrupted(self: dl._Partial, data: bytes) -> None:
+        real_append(self, data)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(dl._Partial, "append", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        download_url(url, tmp_path, sha256=SHA, progress=False)
+    monkeypatch.undo()
+    held = sum(p.stat().st_size for p in tmp_path.glob(".a.bin.*.part"))
+    assert 0 < held < len(DATA) and not (tmp_path / "a.bin").exists()
+    assert download_url(url, tmp_path, sha256=SHA, progress=False).read_bytes() == DATA
+    assert server.requests("/a.bin")[-1].range == f"bytes={held}-"
+
+
+def test_partial_that_is_already_whole_is_published_without_a_body(server: TestHTTPServer, tmp_path: Path) -> None:
+    url = server.add("/a.bin", DATA)
+    server.fault("/a.bin", drop_after=len(DATA) - 1, times=1)
+    with pytest.raises(DownloadError):
+        download_url(url, tmp_path, retries=0, progress=False)
+    (parked,) = tmp_path.glob(".a.bin.*.part")
+    with open(parked, "ab") as f:  # the last byte arrived just before the process stopped
+        f.write(DATA[-1:])
+    assert download_url(url, tmp_path, sha256=SHA, progress=False).read_bytes() == DATA
+    last = server.requests("/a.bin")[-1]
+    assert (last.range, last.status, last.sent) == (f"bytes={len(DATA)}-", 416, 0)
