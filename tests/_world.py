@@ -9,6 +9,7 @@ is then SIGKILLed, and the call fails: a hang is a test failure, never a stuck C
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import multiprocessing as mp
 import os
@@ -91,8 +92,10 @@ def _child(
         conn.send(("err", type(exc).__name__, str(exc), traceback.format_exc()))
     finally:
         conn.close()
-    # Skip interpreter teardown (and idist.finalize): a rank whose peers failed must not block in a
-    # destructor, and the parent only needs the result that was just sent.
+    # Exit handlers run as at a normal exit (rank 0 waits there for its peers to read the last outcome), but
+    # the rest of interpreter teardown (and idist.finalize) is skipped: a rank whose peers failed must not
+    # block in a destructor, and the parent only needs the result that was just sent.
+    atexit._run_exitfuncs()
     os._exit(0)
 
 

@@ -14,6 +14,7 @@ Two channels implement one protocol (:class:`Channel`):
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -151,60 +152,97 @@ class _Watch:
         return now - self.since > heartbeat_timeout()
 
 
+_ABSENT = b"\x00"  # compare_set on a missing key with this expected value reads without writing
+
+
+class _Lingering:
+    """Rank 0's last block, whose readers may still be using the store that rank 0's process hosts.
+
+    Under ``env://`` launches the store lives in rank 0's process: if rank 0 ended its process right after
+    a block, the others could lose the store while reading the outcome. Rather than make every block wait,
+    rank 0 keeps the store alive and, at interpreter exit, waits (bounded) until the others acknowledged.
+    The next block needs nothing: its entry collective proves everyone finished the previous one.
+    """
+
+    pending: tuple[Any, str, int] | None = None
+    registered = False
+
+    @classmethod
+    def hold(cls, store: Any, acks_key: str, expected: int) -> None:
+        cls.pending = (store, acks_key, expected)
+        if not cls.registered:
+            atexit.register(cls.drain)
+            cls.registered = True
+
+    @classmethod
+    def drain(cls) -> None:
+        pending, cls.pending = cls.pending, None
+        if pending is None:
+            return
+        store, key, expected = pending
+        end = time.monotonic() + heartbeat_timeout()
+        try:
+            while int(store.add(key, 0)) < expected and time.monotonic() < end:
+                time.sleep(0.005)
+        except Exception:
+            return  # the others are gone already
+
+
+def _backoff(waited: float) -> float:
+    # Short waits (an empty block) are answered within a millisecond; long ones (a download) poll gently.
+    if waited < 0.2:
+        return 0.0005
+    return 0.02 if waited < 5.0 else 0.1
+
+
 class StoreChannel(Channel):
-    """Waits through the process group's store; see the module docstring."""
+    """Waits through the process group's store; see the module docstring.
+
+    Keys of block ``seq`` live under ``ignite_ext/sched/<seq>/``: ``out/<rank>`` holds a rank's outcome
+    (written once, by it or by whoever declares it dead), ``exits`` counts the ranks that left (plus
+    ``world_size + 1`` for each failed one, so one read tells both), ``fail/<i>`` the failures' details and
+    ``acks`` the ranks that have read the outcome.
+    """
 
     def __init__(self, plan: Plan, rank: int, label: str, timeout: float | None, store: Any, seq: int) -> None:
         super().__init__(plan, rank, label, timeout)
         self.store = store
         self.world_size = len(plan.turns)
         self.ns = f"ignite_ext/sched/{seq}"
-        self.heartbeat = _Heartbeat.ensure(store, rank)
         self._ring = rank + 1
+        self.heartbeat = self._guarded(lambda: _Heartbeat.ensure(store, rank))
         if seq > 0:
             # Every rank has passed this block's entry collective, so none still reads the previous block's keys.
             prev = f"ignite_ext/sched/{seq - 1}"
-            own = [f"{prev}/done/{rank}", f"{prev}/exit/{rank}"]
-            shared = [f"{prev}/{k}" for k in ("exits", "all_exited", "nfail", "acks")] if rank == 0 else []
-            self.heartbeat.delete_later(own + shared)
+            shared = [f"{prev}/{k}" for k in ("exits", "nfail", "acks")] if rank == 0 else []
+            self.heartbeat.delete_later([f"{prev}/out/{rank}", *shared])
 
     def _key(self, *parts: object) -> str:
         return "/".join([self.ns, *map(str, parts)])
 
-    def _claim(self, key: str, payload: bytes) -> bytes:
-        return bytes(self.store.compare_set(key, "", payload))
+    def _read(self, key: str) -> bytes | None:
+        value = bytes(self.store.compare_set(key, _ABSENT, b"-"))
+        return None if value == _ABSENT else value
 
-    def _wait(
-        self,
-        ready: Callable[[], bool],
-        suspects: Callable[[], list[int]],
-        what: str,
-        patience: float | None = None,
-    ) -> None:
-        """Poll ``ready`` with backoff; declare dead suspects whose heartbeat stopped; log and time out.
-
-        With ``patience``, give up quietly once nobody is left to suspect and that many seconds have passed.
-        """
+    def _wait(self, poll: Callable[[], T | None], suspects: Callable[[], list[int]], what: str) -> T:
+        """Poll until ``poll`` returns a value; declare dead suspects whose heartbeat stopped; log; time out."""
         start = time.monotonic()
         next_log = start + log_interval()
-        delay = 1e-4
         watches: dict[int, _Watch] = {}
-        while not ready():
+        while (value := poll()) is None:
             now = time.monotonic()
-            if self.timeout is not None and now - start > self.timeout:
-                raise TimeoutError(f"rank {self.rank} waited {now - start:.0f} s for {what} ({self.label})")
+            waited = now - start
+            if self.timeout is not None and waited > self.timeout:
+                raise TimeoutError(f"rank {self.rank} waited {waited:.0f} s for {what} ({self.label})")
             if now >= next_log:
-                _LOG.info("rank %d has waited %.0f s for %s (%s)", self.rank, now - start, what, self.label)
+                _LOG.info("rank %d has waited %.0f s for %s (%s)", self.rank, waited, what, self.label)
                 next_log = now + log_interval()
-            peers = suspects()
-            if patience is not None and not peers and now - start > patience:
-                return
-            for peer in peers:
+            for peer in suspects() if waited > 0.2 else []:
                 watch = watches.setdefault(peer, _Watch(self.store, peer))
                 if watch.stale():
                     self._declare_dead(peer, now - watch.since)
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)
+            time.sleep(_backoff(waited))
+        return value
 
     def _declare_dead(self, peer: int, silent_for: float) -> None:
         # The noticing rank is part of the message so that two ranks declaring the same death write different
@@ -213,8 +251,7 @@ class StoreChannel(Channel):
             peer, "RankDied", f"no heartbeat for {silent_for:.0f} s, noticed by rank {self.rank} (killed or hung)"
         )
         payload = _payload([failure])
-        self._claim(self._key("done", peer), payload)
-        if self._claim(self._key("exit", peer), payload) == payload:
+        if bytes(self.store.compare_set(self._key("out", peer), "", payload)) == payload:
             _LOG.warning("rank %d: declaring rank %d dead (%s)", self.rank, peer, failure.message)
             self._record_exit([failure])
             if peer != 0:
@@ -224,11 +261,7 @@ class StoreChannel(Channel):
         if own:
             index = self.store.add(self._key("nfail"), 1)
             self.store.set(self._key("fail", index), _payload(own))
-        if self.store.add(self._key("exits"), 1) == self.world_size:
-            self.store.set(self._key("all_exited"), b"1")
-
-    def _done(self, peer: int) -> bool:
-        return bool(self.store.check([self._key("done", peer)]))
+        self.store.add(self._key("exits"), 1 + (self.world_size + 1) * bool(own))
 
     def wait_turn(self) -> list[RankFailure]:
         return self._guarded(self._wait_turn)
@@ -239,15 +272,14 @@ class StoreChannel(Channel):
     def _wait_turn(self) -> list[RankFailure]:
         inherited: list[RankFailure] = []
         for peer in sorted(self.plan.turns[self.rank].after):
-            self._wait(lambda p=peer: self._done(p), lambda p=peer: [p], f"rank {peer}")  # type: ignore[misc]
-            inherited += _failures(self.store.get(self._key("done", peer)))
+            key = self._key("out", peer)
+            outcome = self._wait(lambda k=key: self._read(k), lambda p=peer: [p], f"rank {peer}")  # type: ignore[misc]
+            inherited += _failures(outcome)
         return sorted(set(inherited), key=lambda f: f.rank)
 
     def _leave(self, own: list[RankFailure], inherited: list[RankFailure], linger: bool) -> list[RankFailure]:
         payload = _payload(own or inherited)
-        declared_dead = self._claim(self._key("exit", self.rank), payload) != payload
-        self._claim(self._key("done", self.rank), payload)
-        if declared_dead:
+        if bytes(self.store.compare_set(self._key("out", self.rank), "", payload)) != payload:
             raise RankFailedError(
                 [RankFailure(self.rank, "RankDied", "declared dead by its peers after its heartbeat stopped")],
                 f"rank {self.rank}",
@@ -255,42 +287,27 @@ class StoreChannel(Channel):
         self._record_exit(own)
         found = own + inherited
         if not found:
-            self._wait(self._all_exited, self._next_unexited, "every rank to finish")
-            count = int(self.store.add(self._key("nfail"), 0))
-            found = [f for i in range(1, count + 1) for f in _failures(self.store.get(self._key("fail", i)))]
-        self._acknowledge(linger)
-        return sorted(found, key=lambda f: f.rank)
-
-    def _acknowledge(self, linger: bool) -> None:
-        """Tell rank 0 this rank has read all it needs; rank 0 waits for that before it leaves.
-
-        Under ``env://`` launches rank 0's process hosts the store: if it left first (say, the block is the
-        last thing the script does), the others would lose the store in the middle of reading the outcome.
-        """
+            exits = self._wait(self._everyone_left, self._next_unexited, "every rank to finish")
+            for i in range(1, exits // (self.world_size + 1) + 1):
+                found += _failures(self.store.get(self._key("fail", i)))
         if self.rank != 0:
             self.store.add(self._key("acks"), 1)
-            return
-        if not linger:
-            return
-        self._wait(
-            lambda: int(self.store.add(self._key("acks"), 0)) >= self.world_size - 1,
-            self._next_unexited,
-            "every rank to read the outcome",
-            patience=heartbeat_timeout(),
-        )
+        elif linger:
+            _Lingering.hold(self.store, self._key("acks"), self.world_size - 1)
+        return sorted(found, key=lambda f: f.rank)
 
-    def _all_exited(self) -> bool:
-        return bool(self.store.check([self._key("all_exited")]))
+    def _everyone_left(self) -> int | None:
+        exits = int(self.store.add(self._key("exits"), 0))
+        return exits if exits % (self.world_size + 1) == self.world_size else None
 
     def _next_unexited(self) -> list[int]:
         # Each waiter watches the first rank after it (cyclically) that has not left yet: every live waiter
         # covers a different stretch of the ring, so a dead rank is noticed without everyone polling everyone.
-        start = self._ring
         for step in range(self.world_size - 1):
-            peer = (start + step) % self.world_size
+            peer = (self._ring + step) % self.world_size
             if peer == self.rank:
                 break
-            if not self.store.check([self._key("exit", peer)]):
+            if self._read(self._key("out", peer)) is None:
                 self._ring = peer
                 return [peer]
         return []
