@@ -31,9 +31,9 @@ NAME = "download"
 
 PROCS = 8
 _MB = 1_000_000
-# Workers fork from a server that has the peers' modules imported already, so starting 8 of them is quick.
+#: File size and link bandwidth in MB and MB/s, for the full run and ``quick=True``.
+SIZES_MB = {"full": (200, 100), "quick": (20, 20)}
 _CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch.hub", "ignite_ext.data", "benchmarks.bench_download"])
 
 
 def _ours(url: str, root: str, sha256: str, md5: str) -> None:
@@ -140,8 +140,9 @@ def _scenario(server: TestHTTPServer, payload: bytes, method: str, procs: int, w
 
 
 def run(quick: bool = False) -> dict[str, Any]:
-    size = (20 if quick else 200) * _MB
-    bandwidth = (20 if quick else 100) * _MB
+    size, bandwidth = (mb * _MB for mb in SIZES_MB["quick" if quick else "full"])
+    # Workers fork from a server that has the peers' modules imported already, so starting 8 of them is quick.
+    _CTX.set_forkserver_preload(["torch.hub", "ignite_ext.data", "benchmarks.bench_download"])
     payload = random.Random(0).randbytes(size)
     rows = []
     with TestHTTPServer(throttle_bps=bandwidth) as server, tempfile.TemporaryDirectory() as tmp:
