@@ -705,37 +705,35 @@ def _fetch_from(
     url: str, partial: _Partial, expected: Mapping[str, str], *, timeout: float, retries: int, progress: bool
 ) -> DownloadError | None:
     """Try ``url`` until ``partial`` holds the verified file (None) or the URL is given up (the error)."""
-    last: Exception | None = None
-    retry_after: float | None = None
-    for attempt in range(retries + 1):
-        if attempt:
-            time.sleep(backoff_delay(attempt - 1, retry_after))
+    failures = 0
+    last: RetryableError | None = None
+    refetched = False
+    while failures <= retries:
+        if last is not None:
+            time.sleep(backoff_delay(failures - 1, last.retry_after))
         try:
             _transfer(url, partial, timeout=timeout, progress=progress)
         except RetryableError as exc:
-            last, retry_after = exc, exc.retry_after
-            logger.info("attempt %d of %d failed: %s", attempt + 1, retries + 1, exc)
+            failures, last = failures + 1, exc
+            logger.info("attempt %d of %d failed: %s", failures, retries + 1, exc)
             continue
         except FatalHTTPError as exc:
             return DownloadError(str(exc), url=url, status=exc.status)
         wrong = _mismatch(expected, partial.digests())
         if wrong is None:
             return None
-        algorithm, want, got = wrong
-        last = ChecksumError(
-            f"{url}: {algorithm} mismatch: expected {want}, got {got}",
-            algorithm=algorithm,
-            expected=want,
-            actual=got,
-            url=url,
-        )
-        resumed = partial.resumed
+        spliced = partial.resumed
         partial.restart()
-        if not resumed:
-            return last  # the server sent these very bytes: another attempt would get them again
-    if isinstance(last, ChecksumError):
-        return last
+        if not spliced or refetched:
+            return _checksum_error(url, *wrong)  # the server sent these very bytes: asking again would not help
+        # Bytes from several responses (or a crash) may be the culprit: one more try in one piece, free of charge.
+        refetched, last = True, None
     return DownloadError(f"{url}: gave up after {retries + 1} attempts: {last}", url=url)
+
+
+def _checksum_error(url: str, algorithm: str, expected: str, actual: str) -> ChecksumError:
+    message = f"{url}: {algorithm} mismatch: expected {expected}, got {actual}"
+    return ChecksumError(message, algorithm=algorithm, expected=expected, actual=actual, url=url)
 
 
 def _transfer(url: str, partial: _Partial, *, timeout: float, progress: bool) -> None:
