@@ -192,7 +192,10 @@ def _extract_checked(archive: Path, kind: str, dest: Path, max_total_bytes: int)
     except _UNREADABLE as exc:
         if isinstance(exc, OSError) and exc.errno is not None:
             raise  # the disk, not the archive (gzip and bz2 report corrupt streams as OSError without errno)
-        raise ArchiveError(f"{archive.name}: unreadable archive: {exc}") from exc
+        what = (
+            "refused by tarfile's data filter" if type(exc).__name__.endswith("FilterError") else "unreadable archive"
+        )
+        raise ArchiveError(f"{archive.name}: {what}: {exc}") from exc
 
 
 def _publish(temp: Path, dest: Path, identity: Mapping[str, Any]) -> None:

@@ -319,3 +319,11 @@ def test_truncated_archive_is_an_archive_error(tmp_path: Path, suffix: str) -> N
     with pytest.raises(ArchiveError, match="unreadable archive"):
         extract_archive(archive, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_data_filter_stands_behind_the_member_checks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ex, "_check_tar_members", lambda members, max_total_bytes: None)
+    archive = make_tar(tmp_path / "evil.tar", special("link", tarfile.SYMTYPE, "../../outside"))
+    with pytest.raises(ArchiveError, match="refused by tarfile's data filter"):
+        extract_archive(archive, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
