@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import operator
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -163,7 +164,12 @@ class CachedDataset(Dataset[Any]):
             arena.count(self._row, self._count_slot(), hits=1)
             return sample
         sample = self.dataset[i]
-        enc = encode(sample)
+        try:
+            enc = encode(sample)
+        except Exception as exc:  # e.g. an object pickle refuses: the sample is still good, only not cacheable
+            warnings.warn(f"sample {i} cannot be cached and is served uncached: {exc!r}", RuntimeWarning, stacklevel=2)
+            arena.count(self._row, self._count_slot(), misses=1)
+            return sample
         offset = arena.reserve(i, enc.nbytes)
         published = False
         if offset is not None:

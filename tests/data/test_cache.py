@@ -19,7 +19,7 @@ from ignite.engine import Engine, Events
 from torch.utils.data import DataLoader, get_worker_info
 from torch.utils.data._utils import signal_handling
 
-from ignite_ext.data import CachedDataset
+from ignite_ext.data import CachedDataset, CacheStats
 from ignite_ext.data import _shm as shm
 from ignite_ext.data._shm import Arena, ShmSpaceError, mapped_pss, sweep_stale
 from ignite_ext.data.handlers import CacheStatsHandler
@@ -354,4 +354,15 @@ def test_threads_of_one_process_store_and_count_consistently() -> None:
     st = ds.stats()
     assert st.hits + st.misses == 1200 and st.entries == 100
     assert all(ds[i][0] == float(i) for i in range(100))
+    ds.close()
+
+
+def test_a_sample_pickle_refuses_is_served_uncached() -> None:
+    sample = {"x": torch.ones(2), "f": lambda: None}  # a lambda cannot be pickled
+    ds = CachedDataset([sample], capacity_bytes=1 << 20)
+    with pytest.warns(RuntimeWarning, match="served uncached"):
+        assert ds[0] is sample
+    with pytest.warns(RuntimeWarning):
+        assert ds[0] is sample
+    assert ds.stats() == CacheStats(hits=0, misses=2, entries=0, bytes=0)
     ds.close()
