@@ -192,9 +192,8 @@ def _extract_checked(archive: Path, kind: str, dest: Path, max_total_bytes: int)
     except _UNREADABLE as exc:
         if isinstance(exc, OSError) and exc.errno is not None:
             raise  # the disk, not the archive (gzip and bz2 report corrupt streams as OSError without errno)
-        what = (
-            "refused by tarfile's data filter" if type(exc).__name__.endswith("FilterError") else "unreadable archive"
-        )
+        refused = isinstance(exc, getattr(tarfile, "FilterError", ()))  # PEP 706, Python 3.11.4+
+        what = "refused by tarfile's data filter" if refused else "unreadable archive"
         raise ArchiveError(f"{archive.name}: {what}: {exc}") from exc
 
 
