@@ -171,9 +171,12 @@ def check_scheme(url: str) -> None:
 
     .. versionadded:: 0.1.0
     """
-    scheme = urllib.parse.urlsplit(url).scheme.lower()
+    parts = urllib.parse.urlsplit(url)
+    scheme = parts.scheme.lower()
     if scheme not in SCHEMES:
         raise ValueError(f"unsupported URL scheme {scheme!r} in {url!r}; expected one of {', '.join(SCHEMES)}")
+    if scheme != "file" and not parts.hostname:
+        raise ValueError(f"no host in {url!r}")
 
 
 def backoff_delay(attempt: int, retry_after: float | None = None) -> float:

@@ -70,6 +70,8 @@ def test_filename_and_url_checks(server: TestHTTPServer, tmp_path: Path) -> None
             download_url(bad, tmp_path, progress=False)
     with pytest.raises(ValueError, match="scheme"):
         download_url(url, tmp_path, mirrors=["gopher://x/a.bin"], progress=False)
+    with pytest.raises(ValueError, match="no host"):
+        download_url("http:///a.bin", tmp_path, progress=False)
     with pytest.raises(ValueError, match="file name"):
         download_url(url, tmp_path, "../escape.bin", progress=False)
     with pytest.raises(ValueError, match="sha256"):
