@@ -354,7 +354,8 @@ def _owner_tag() -> str:
 
 def _owner_gone(match: re.Match[str], path: Path) -> bool:
     """Whether the writer named in ``match`` can no longer touch ``path``."""
-    if match["host"] == _host():
+    # On Windows os.kill(pid, 0) would send CTRL_C_EVENT, so only the idle-age rule applies there.
+    if match["host"] == _host() and os.name != "nt":
         return not _pid_alive(int(match["pid"]))
     return _idle(path)
 
