@@ -729,7 +729,8 @@ def _fetch_from(
             return _checksum_error(url, *wrong)  # the server sent these very bytes: asking again would not help
         # Bytes from several responses (or a crash) may be the culprit: one more try in one piece, free of charge.
         refetched, last = True, None
-    return DownloadError(f"{url}: gave up after {retries + 1} attempts: {last}", url=url)
+    attempts = f"{retries + 1} attempt{'s' if retries else ''}"
+    return DownloadError(f"{url}: gave up after {attempts}: {str(last).removeprefix(url + ': ')}", url=url)
 
 
 def _checksum_error(url: str, algorithm: str, expected: str, actual: str) -> ChecksumError:
