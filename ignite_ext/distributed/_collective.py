@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import pickle
 from typing import Any
 
@@ -11,21 +10,13 @@ import torch
 
 from ignite_ext.distributed.policies import Comm
 
-__all__ = ["IdistComm", "all_gather_bytes", "fingerprint"]
-
-# Some backends (XLA) run collectives in float32, which holds integers exactly only up to 2**24.
-_CHUNK_BITS = 24
-
-
-def fingerprint(text: str, chunks: int = 4) -> list[int]:
-    """Hash ``text`` into ``chunks`` integers below 2**24, exact in any collective dtype."""
-    digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:12], "big")
-    mask = (1 << _CHUNK_BITS) - 1
-    return [(digest >> (_CHUNK_BITS * i)) & mask for i in range(chunks)]
-
+__all__ = ["IdistComm", "all_gather_bytes", "all_gather_rows"]
 
 def all_gather_rows(row: list[int]) -> list[list[int]]:
-    """Gather one small row of integers (< 2**24) from every rank, in one collective."""
+    """Gather one small row of integers from every rank, in one collective.
+
+    Keep the values below 2**24: some backends (XLA) run collectives in float32.
+    """
     if idist.get_world_size() == 1:
         return [list(row)]
     t = torch.tensor([row], dtype=torch.int64, device=idist.device())

@@ -56,13 +56,22 @@ def log_interval() -> float:
 
 
 class Channel(ABC):
-    """The waiting protocol of one scheduled block on one rank."""
+    """The waiting protocol of one scheduled block on one rank: entry exchange, then the plan's waits."""
 
-    def __init__(self, plan: Plan, rank: int, label: str, timeout: float | None) -> None:
-        self.plan = plan
+    def __init__(self, rank: int, world_size: int, label: str, timeout: float | None) -> None:
         self.rank = rank
+        self.world_size = world_size
         self.label = label
         self.timeout = timeout
+        self.plan = Plan(())
+
+    @abstractmethod
+    def exchange(self, mine: bytes, judge: Callable[[list[bytes]], bytes]) -> bytes:
+        """Give every rank's entry (``mine``) to ``judge`` and return its verdict, the same on every rank."""
+
+    def start(self, plan: Plan) -> None:
+        """Adopt the plan agreed on; ``wait_turn`` and ``leave`` follow it."""
+        self.plan = plan
 
     @abstractmethod
     def wait_turn(self) -> list[RankFailure]:
@@ -189,7 +198,10 @@ class _Lingering:
 
 
 def _backoff(waited: float) -> float:
-    # Short waits (an empty block) are answered within a millisecond; long ones (a download) poll gently.
+    # Short waits (an empty block) are answered within a fraction of a millisecond; long ones (a download)
+    # poll gently.
+    if waited < 0.01:
+        return 0.0001
     if waited < 0.2:
         return 0.0005
     return 0.02 if waited < 5.0 else 0.1
@@ -204,18 +216,45 @@ class StoreChannel(Channel):
     ``acks`` the ranks that have read the outcome.
     """
 
-    def __init__(self, plan: Plan, rank: int, label: str, timeout: float | None, store: Any, seq: int) -> None:
-        super().__init__(plan, rank, label, timeout)
+    def __init__(self, rank: int, world_size: int, label: str, timeout: float | None, store: Any, seq: int) -> None:
+        super().__init__(rank, world_size, label, timeout)
         self.store = store
-        self.world_size = len(plan.turns)
         self.ns = f"ignite_ext/sched/{seq}"
         self._ring = rank + 1
         self.heartbeat = self._guarded(lambda: _Heartbeat.ensure(store, rank))
         if seq > 0:
             # Every rank has passed this block's entry collective, so none still reads the previous block's keys.
             prev = f"ignite_ext/sched/{seq - 1}"
-            shared = [f"{prev}/{k}" for k in ("exits", "nfail", "acks")] if rank == 0 else []
-            self.heartbeat.delete_later([f"{prev}/out/{rank}", *shared])
+            shared = [f"{prev}/{k}" for k in ("exits", "nfail", "acks", "entered", "verdict")] if rank == 0 else []
+            self.heartbeat.delete_later([f"{prev}/out/{rank}", f"{prev}/entry/{rank}", *shared])
+
+    def exchange(self, mine: bytes, judge: Callable[[list[bytes]], bytes]) -> bytes:
+        """Rank 0 collects every entry from the store, judges, and publishes the verdict: no collective.
+
+        A late rank therefore delays the others without running into the process group's timeout.
+        """
+        return self._guarded(lambda: self._exchange(mine, judge))
+
+    def _exchange(self, mine: bytes, judge: Callable[[list[bytes]], bytes]) -> bytes:
+        self.store.set(self._key("entry", self.rank), mine)
+        entered = self.store.add(self._key("entered"), 1)
+        verdict_key = self._key("verdict")
+        if self.rank != 0:
+            return self._wait(lambda: self._read(verdict_key), lambda: [0], "rank 0 to check the arguments")
+        if entered < self.world_size:
+            self._wait(self._all_entered, self._not_entered, "every rank to enter")
+        keys = [self._key("entry", r) for r in range(self.world_size)]
+        verdict = judge([bytes(v) for v in self.store.multi_get(keys)])
+        self.store.set(verdict_key, verdict)
+        return verdict
+
+    def _all_entered(self) -> bool | None:
+        return True if int(self.store.add(self._key("entered"), 0)) >= self.world_size else None
+
+    def _not_entered(self) -> list[int]:
+        # Only ranks that have a heartbeat (they used a scheduler before) can be told dead from merely late.
+        missing = [r for r in range(self.world_size) if not self.store.check([self._key("entry", r)])]
+        return [r for r in missing if self.store.check([f"ignite_ext/hb/{r}"])]
 
     def _key(self, *parts: object) -> str:
         return "/".join([self.ns, *map(str, parts)])
@@ -245,6 +284,11 @@ class StoreChannel(Channel):
         return value
 
     def _declare_dead(self, peer: int, silent_for: float) -> None:
+        if not self.plan.turns:  # still at the entry: nobody has run anything, so everyone just stops
+            raise RankFailedError(
+                [RankFailure(peer, "RankDied", f"no heartbeat for {silent_for:.0f} s before entering")],
+                f"rank {self.rank} waiting at the entry ({self.label})",
+            )
         # The noticing rank is part of the message so that two ranks declaring the same death write different
         # payloads, and compare_set tells exactly one of them that it won.
         failure = RankFailure(
@@ -333,13 +377,23 @@ _OK, _FAILED, _SKIPPED = 0, 1, 2
 class CollectiveChannel(Channel):
     """Steps all ranks through the plan's waves in lockstep, one ``all_gather`` per wave."""
 
-    def __init__(self, plan: Plan, rank: int, label: str, timeout: float | None) -> None:
-        super().__init__(plan, rank, label, timeout)
-        self.levels = plan.levels()
-        self.level = self.levels[rank]
+    def __init__(self, rank: int, world_size: int, label: str, timeout: float | None) -> None:
+        super().__init__(rank, world_size, label, timeout)
+        self.levels: tuple[int, ...] = ()
+        self.level = 0
         self.wave = 0
         self.failed: dict[int, list[RankFailure]] = {}  # rank -> the original failures it carries
         self.original: list[RankFailure] = []
+
+    def exchange(self, mine: bytes, judge: Callable[[list[bytes]], bytes]) -> bytes:
+        """Gather every entry with collectives; every rank judges the same entries itself."""
+        return judge(all_gather_bytes(mine))
+
+    def start(self, plan: Plan) -> None:
+        """Adopt the plan and compute the waves to step through."""
+        super().start(plan)
+        self.levels = plan.levels()
+        self.level = self.levels[self.rank]
 
     def _boundary(self, state: int, own: list[RankFailure]) -> None:
         states = [row[0] for row in all_gather_rows([state if self.level == self.wave else _OK])]
@@ -383,9 +437,9 @@ def _native_store() -> Any | None:
         return None
 
 
-def make_channel(plan: Plan, rank: int, label: str, timeout: float | None, seq: int) -> Channel:
+def make_channel(rank: int, world_size: int, label: str, timeout: float | None, seq: int) -> Channel:
     """Return the store channel on native backends and the collective one elsewhere."""
-    store = _native_store()
+    store = _native_store() if world_size > 1 else None
     if store is None:
-        return CollectiveChannel(plan, rank, label, timeout)
-    return StoreChannel(plan, rank, label, timeout, store, seq)
+        return CollectiveChannel(rank, world_size, label, timeout)
+    return StoreChannel(rank, world_size, label, timeout, store, seq)

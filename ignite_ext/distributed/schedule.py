@@ -13,8 +13,8 @@ from contextlib import contextmanager
 import ignite.distributed as idist
 import torch.utils.data
 
-from ignite_ext.distributed._collective import IdistComm, all_gather_bytes, all_gather_rows, fingerprint
-from ignite_ext.distributed._status import make_channel
+from ignite_ext.distributed._collective import IdistComm
+from ignite_ext.distributed._status import Channel, make_channel
 from ignite_ext.distributed.errors import RankFailedError, RankFailure
 from ignite_ext.distributed.policies import MasterFirst, Policy, Turn, World
 
@@ -44,38 +44,46 @@ def _local_check(order: object, world: World) -> str:
     return ""
 
 
-def _agree_on_entry(order: object, timeout: float | None) -> World:
-    """One collective: every rank's node and local rank, argument checks and policy fingerprint.
-
-    Raises ``ValueError`` on every rank when any rank's arguments are invalid or differ from the others'.
-    """
-    rough = World(
-        idist.get_world_size(),
-        tuple(r // idist.get_nproc_per_node() for r in range(idist.get_world_size())),
-        tuple(r % idist.get_nproc_per_node() for r in range(idist.get_world_size())),
-    )
+def _entry(order: object, timeout: float | None) -> bytes:
+    """This rank's entry: its place in the world, what it passed, and what is wrong with that."""
+    n, npn = idist.get_world_size(), idist.get_nproc_per_node()
+    rough = World(n, tuple(r // npn for r in range(n)), tuple(r % npn for r in range(n)))
     error = _local_check(order, rough)
     if not error and timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)):
         error = f"timeout should be a number of seconds or None, but given {timeout!r}"
     elif not error and timeout is not None and timeout <= 0:
         error = f"timeout should be positive, but given {timeout!r}"
-    description = f"{_describe(order)}|timeout={timeout!r}"
-    row = [int(not error), *fingerprint(description), idist.get_node_rank(), idist.get_local_rank()]
-    rows = all_gather_rows(row)
-    world = World(len(rows), tuple(r[5] for r in rows), tuple(r[6] for r in rows))
-    if all(r[0] for r in rows) and all(r[1:5] == rows[0][1:5] for r in rows):
-        return world
-    # Rare path, so it may cost a second collective: tell every rank what every rank passed.
-    blobs = all_gather_bytes(json.dumps([description, error]).encode())
-    seen = [json.loads(b) for b in blobs]
-    errors = [f"rank {r}: {err}" for r, (_, err) in enumerate(seen) if err]
-    if errors:
-        raise ValueError("invalid rank_scheduler arguments: " + "; ".join(errors))
+    mine = {
+        "node": idist.get_node_rank(),
+        "local": idist.get_local_rank(),
+        "args": f"{_describe(order)}|timeout={timeout!r}",
+        "error": error,
+    }
+    return json.dumps(mine).encode()
+
+
+def _judge(entries: list[bytes]) -> bytes:
+    """Check every rank's entry; the verdict is the world's shape, or the error every rank will raise."""
+    seen = [json.loads(e) for e in entries]
+    verdict: dict[str, object] = {"nodes": [e["node"] for e in seen], "locals": [e["local"] for e in seen]}
+    errors = [f"rank {r}: {e['error']}" for r, e in enumerate(seen) if e["error"]]
     groups: dict[str, list[int]] = {}
-    for r, (desc, _) in enumerate(seen):
-        groups.setdefault(desc, []).append(r)
-    listing = "; ".join(f"ranks {ranks}: {desc}" for desc, ranks in groups.items())
-    raise ValueError(f"ranks passed different rank_scheduler arguments, every rank must pass the same: {listing}")
+    for r, e in enumerate(seen):
+        groups.setdefault(e["args"], []).append(r)
+    if errors:
+        verdict["error"] = "invalid rank_scheduler arguments: " + "; ".join(errors)
+    elif len(groups) > 1:
+        listing = "; ".join(f"ranks {ranks}: {args}" for args, ranks in groups.items())
+        verdict["error"] = f"ranks passed different rank_scheduler arguments, every rank must pass the same: {listing}"
+    return json.dumps(verdict).encode()
+
+
+def _agree_on_entry(channel: Channel, order: object, timeout: float | None) -> World:
+    """Exchange every rank's entry; raise ``ValueError`` on every rank if any is invalid or they differ."""
+    verdict = json.loads(channel.exchange(_entry(order, timeout), _judge))
+    if verdict.get("error"):
+        raise ValueError(verdict["error"])
+    return World(len(verdict["nodes"]), tuple(verdict["nodes"]), tuple(verdict["locals"]))
 
 
 def _failure(rank: int, exc: BaseException) -> RankFailure:
@@ -166,17 +174,23 @@ def rank_scheduler(order: Policy | None = None, *, timeout: float | None = None)
         with _run_nested(order) as nested_turn, _inside():
             yield nested_turn
         return
-    rank = idist.get_rank()
-    world = _agree_on_entry(order, timeout)
+    rank, world_size = idist.get_rank(), idist.get_world_size()
+    label = order.describe() if isinstance(order, Policy) else repr(order)
+    # An invalid timeout is reported by the entry exchange, so that exchange must not itself obey it.
+    usable = isinstance(timeout, int | float) and not isinstance(timeout, bool) and timeout > 0
+    channel = make_channel(
+        rank, world_size, label, timeout if usable else None, next(_SEQUENCE) if world_size > 1 else -1
+    )
+    world = _agree_on_entry(channel, order, timeout)
     assert isinstance(order, Policy)
     plan = order.plan(world, IdistComm())
     turn = plan.turns[rank]
-    if world.world_size == 1:
+    if world_size == 1:
         _state["world"] = world
         with _inside():
             yield turn
         return
-    channel = make_channel(plan, rank, order.describe(), timeout, next(_SEQUENCE))
+    channel.start(plan)
     try:
         inherited = channel.wait_turn()
     except TimeoutError as exc:
