@@ -71,6 +71,7 @@ logger = logging.getLogger("ignite_ext.data.download")
 #: Temp files of writers on other hosts (whose pids cannot be checked) are orphans after this many idle seconds.
 ORPHAN_MAX_AGE_S = 24 * 3600.0
 _CHUNK = 1 << 20
+_POLL_S = 0.01
 _DIGEST_LENGTHS = {"sha256": 64, "md5": 32}
 # host.pid.random: whoever made a temp name, so that the scan can tell whether that writer is still alive.
 _OWNER = r"(?P<host>[A-Za-z0-9-]+)\.(?P<pid>\d+)\.(?P<rand>[0-9a-f]{8})"
@@ -131,7 +132,7 @@ class ChecksumError(DownloadError):
 
 
 class _Lock(Protocol):
-    def acquire(self, timeout: float | None = None) -> object: ...
+    def acquire(self, timeout: float | None = None, poll_interval: float = ...) -> object: ...
 
     def release(self) -> None: ...
 
@@ -446,7 +447,8 @@ def _exclusive(lock_path: Path, waiting_for: str) -> Iterator[None]:
     try:
         if not _acquire_now(lock):
             logger.info("waiting for %s", waiting_for)
-            lock.acquire()
+            # Every waiter re-checks the file under the lock in turn; short polls keep that queue from adding up.
+            lock.acquire(poll_interval=_POLL_S)
         held = True
     except (OSError, NotImplementedError) as exc:
         # Correctness does not rest on the lock, so a filesystem that cannot lock costs duplicates, not errors.

@@ -311,7 +311,7 @@ def test_lock_that_cannot_be_taken_does_not_fail(
     server: TestHTTPServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     class Broken:
-        def acquire(self, timeout: float | None = None) -> None:
+        def acquire(self, timeout: float | None = None, poll_interval: float = 0.05) -> None:
             raise OSError(38, "flock not supported")
 
         def release(self) -> None:

@@ -270,7 +270,7 @@ class _NoLock:
     def __init__(self, path: str) -> None:
         pass
 
-    def acquire(self, timeout: float | None = None) -> None:
+    def acquire(self, timeout: float | None = None, poll_interval: float = 0.05) -> None:
         pass
 
     def release(self) -> None:
