@@ -108,7 +108,7 @@ class CachedDataset(Dataset[Any]):
         >>> ds[1], ds[1]
         (tensor([1., 1.]), tensor([1., 1.]))
         >>> ds.stats()
-        CacheStats(hits=1, misses=1, entries=1, bytes=136)
+        CacheStats(hits=1, misses=1, entries=1, bytes=72)
         >>> ds.close()
 
     .. versionadded:: 0.1.0
