@@ -116,8 +116,10 @@ def _subprocess_world(backend: str, nprocs: int, env: dict[str, str]) -> Callabl
                 results.append(res)
             if not all(r.ok for r in results):
                 tail = out.decode(errors="replace")[-6000:]
-                raise AssertionError(f"{backend} world failed (launcher exit code {proc.returncode}); output:\n{tail}\n"
-                                     + "\n".join(str(r) for r in results))
+                raise AssertionError(
+                    f"{backend} world failed (launcher exit code {proc.returncode}); output:\n{tail}\n"
+                    + "\n".join(str(r) for r in results)
+                )
             return values(results)
 
     return run
