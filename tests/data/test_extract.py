@@ -287,7 +287,7 @@ def extract_without_lock(archive: str, dest: str) -> int:
 @pytest.mark.distributed
 @pytest.mark.parametrize("lock", [True, False])
 def test_concurrent_extractors(tmp_path: Path, lock: bool) -> None:
-    members = [regular(f"d{i}/f{j}.txt", os.urandom(20_000)) for i in range(20) for j in range(20)]
+    members = [regular(f"d{i}/f{j}.txt", os.urandom(20_000)) for i in range(10) for j in range(10)]
     archive = make_tar(tmp_path / "big.tar.gz", *members)
     target = extract_counting if lock else extract_without_lock
     results = values(run_world(target, 4, backend=None, args=(str(archive), str(tmp_path / "out"))))
@@ -295,7 +295,7 @@ def test_concurrent_extractors(tmp_path: Path, lock: bool) -> None:
         assert sum(results) == 1  # the others waited and found it done
     else:
         assert sum(results) >= 1  # several may extract; the first rename wins, the others discard theirs
-    assert len(list((tmp_path / "out").rglob("*.txt"))) == 400
+    assert len(list((tmp_path / "out").rglob("*.txt"))) == 100
     assert siblings(tmp_path / "out") == []
 
 
