@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -200,3 +201,38 @@ def _test_cache_stats_reduction() -> dict[str, Any]:
     finally:
         ds.close()
     return {"world_hits": world.hits, "node_hits": node_stats.hits}
+
+
+# ----------------------------------------------------------------------------------------------- waiting
+
+
+def _test_long_first_rank(seconds: float, timeout: float | None) -> dict[str, Any]:
+    """The first rank works ``seconds`` inside one_rank_first(timeout=timeout); report what each rank saw."""
+    outcome, ran = "ok", False
+    start = time.monotonic()
+    try:
+        with idist.one_rank_first(timeout=timeout) as turn:
+            ran = True
+            if turn:
+                time.sleep(seconds)
+    except TimeoutError:
+        outcome = "TimeoutError"
+    except idist.RankFailedError:
+        outcome = "RankFailedError"
+    waited = time.monotonic() - start
+    # Only after a clean run is the world known to be in step for one more collective.
+    total = _world_sum(1) if outcome == "ok" else None
+    return {"outcome": outcome, "ran": ran, "waited": waited, "sum": total}
+
+
+def _test_first_rank_killed() -> dict[str, Any]:
+    """Rank 1 runs first and is SIGKILLed inside the block; report what the ranks waiting for it saw."""
+    outcome, ran, message = "ok", False, ""
+    try:
+        with idist.one_rank_first(rank=1) as turn:
+            ran = True
+            if turn:
+                os.kill(os.getpid(), signal.SIGKILL)
+    except idist.RankFailedError as exc:
+        outcome, message = "RankFailedError", str(exc)
+    return {"outcome": outcome, "ran": ran, "message": message}

@@ -36,33 +36,59 @@ SUBPROCESS_DEADLINE = float(os.environ.get("IGNITE_EXT_BACKEND_DEADLINE", "120")
 
 @dataclass
 class World:
-    """How to run a body on one backend."""
+    """How to run a body on one backend.
+
+    ``world(body, *args)`` returns every rank's value or fails with every failing rank's report;
+    ``world.results(body, *args, env=..., pg_timeout=...)`` returns the :class:`RankResult` of every rank as is
+    (for bodies where some ranks are expected to die). ``pg_timeout`` is the native process group's timeout;
+    ``env`` is added to every rank's environment.
+    """
 
     name: str
     nprocs: int
     nproc_per_node: int
-    run: Callable[..., list[Any]]
+    run: Callable[..., list[RankResult]]
 
-    def __call__(self, body: str, *args: Any) -> list[Any]:
-        return self.run(body, *args)
+    @property
+    def collective(self) -> bool:
+        """Whether the scheduler waits with collectives here (Horovod, XLA) rather than through the store."""
+        return self.name in ("horovod", "xla")
+
+    def results(self, body: str, *args: Any, **options: Any) -> list[RankResult]:
+        return self.run(body, *args, **options)
+
+    def __call__(self, body: str, *args: Any, **options: Any) -> list[Any]:
+        results = self.run(body, *args, **options)
+        try:
+            return values(results)
+        except AssertionError as exc:
+            output = next((r.extra["output"] for r in results if "output" in r.extra), "")
+            raise AssertionError(f"{exc}\nlauncher output (tail):\n{output}" if output else str(exc)) from None
 
 
-def _serial(body: str, *args: Any) -> list[Any]:
-    return [getattr(_bodies, body)(*args)]
+def _serial(body: str, *args: Any, env: dict[str, str] | None = None, pg_timeout: float | None = None) -> list[Any]:
+    res = RankResult(rank=0)
+    try:
+        res.ok, res.value = True, getattr(_bodies, body)(*args)
+    except Exception as exc:
+        res.exc_type, res.message = type(exc).__name__, str(exc)
+    return [res]
 
 
-def _gloo(nprocs: int, nproc_per_node: int | None) -> Callable[..., list[Any]]:
-    def run(body: str, *args: Any) -> list[Any]:
-        return values(
-            run_world(getattr(_bodies, body), nprocs, nproc_per_node=nproc_per_node, args=args, deadline=60.0)
+def _native(backend: str, nprocs: int, nproc_per_node: int | None = None) -> Callable[..., list[RankResult]]:
+    def run(
+        body: str, *args: Any, env: dict[str, str] | None = None, pg_timeout: float | None = None
+    ) -> list[RankResult]:
+        return run_world(
+            getattr(_bodies, body),
+            nprocs,
+            nproc_per_node=nproc_per_node,
+            backend=backend,
+            args=args,
+            env=env,
+            pg_timeout=pg_timeout,
+            deadline=60.0,
         )
-
-    return run
-
-
-def _nccl(nprocs: int) -> Callable[..., list[Any]]:
-    def run(body: str, *args: Any) -> list[Any]:
-        return values(run_world(getattr(_bodies, body), nprocs, backend="nccl", args=args, deadline=60.0))
 
     return run
 
@@ -84,11 +110,13 @@ def _kill_tree(proc: subprocess.Popen[bytes]) -> None:
     proc.wait()
 
 
-def _subprocess_world(backend: str, nprocs: int, env: dict[str, str]) -> Callable[..., list[Any]]:
-    def run(body: str, *args: Any) -> list[Any]:
+def _subprocess_world(backend: str, nprocs: int, base_env: dict[str, str]) -> Callable[..., list[RankResult]]:
+    def run(
+        body: str, *args: Any, env: dict[str, str] | None = None, pg_timeout: float | None = None
+    ) -> list[RankResult]:
         with tempfile.TemporaryDirectory(prefix="ignite_ext_world_") as outdir:
             cmd = [sys.executable, "-m", "tests.backends._launch", backend, str(nprocs), outdir, body, json.dumps(args)]
-            child_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env}
+            child_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **base_env, **(env or {})}
             proc = subprocess.Popen(
                 cmd, cwd=ROOT, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
             )
@@ -115,12 +143,10 @@ def _subprocess_world(backend: str, nprocs: int, env: dict[str, str]) -> Callabl
                         res.exc_type, res.message, res.traceback = record[1:]
                 results.append(res)
             if not all(r.ok for r in results):
-                tail = out.decode(errors="replace")[-6000:]
-                raise AssertionError(
-                    f"{backend} world failed (launcher exit code {proc.returncode}); output:\n{tail}\n"
-                    + "\n".join(str(r) for r in results)
-                )
-            return values(results)
+                # The launcher's output is the only trace of ranks that died without reporting.
+                for r in results:
+                    r.extra["output"] = out.decode(errors="replace")[-6000:]
+            return results
 
     return run
 
@@ -169,9 +195,9 @@ def world(request: pytest.FixtureRequest) -> World:
     if name == "serial":
         return World(name, 1, 1, _serial)
     if name == "gloo":
-        return World(name, 4, 4, _gloo(4, None))
+        return World(name, 4, 4, _native("gloo", 4))
     if name == "gloo-2nodes":
-        return World(name, 4, 2, _gloo(4, 2))
+        return World(name, 4, 2, _native("gloo", 4, 2))
     if name == "horovod":
         reason = _horovod_skip_reason()
         if reason:
@@ -188,4 +214,4 @@ def world(request: pytest.FixtureRequest) -> World:
     if reason:
         pytest.skip(reason)
     n = min(4, torch.cuda.device_count())
-    return World(name, n, n, _nccl(n))
+    return World(name, n, n, _native("nccl", n))

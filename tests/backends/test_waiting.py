@@ -1,0 +1,48 @@
+"""Waiting across backends: where the native backends and the collective ones (Horovod, XLA) differ.
+
+On native backends (gloo, NCCL) waits go through the process group's store: they outlast the collective
+timeout, obey ``timeout=`` and notice a rank that died (its heartbeat stops). On Horovod and XLA waits are
+collectives: see docs/backends.rst for what that changes; these tests pin the observed behaviour down.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.backends.conftest import World
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_first_rank_works_longer_than_the_collective_timeout(world: World) -> None:
+    # Native: a process group timeout of 2 s. Horovod: its Gloo timeout, 2 s.
+    seen = world("_test_long_first_rank", 5.0, None, pg_timeout=2.0, env={"HOROVOD_GLOO_TIMEOUT_SECONDS": "2"})
+    assert [s["outcome"] for s in seen] == ["ok"] * world.nprocs
+    assert [s["sum"] for s in seen] == [world.nprocs] * world.nprocs, "the world is unusable after the wait"
+    assert all(s["waited"] >= 4.5 for s in seen), [s["waited"] for s in seen]
+
+
+def test_timeout_argument(world: World) -> None:
+    seen = world("_test_long_first_rank", 3.0, 1.0)
+    if world.nprocs == 1:
+        assert seen[0]["outcome"] == "ok"
+    elif world.collective:
+        # Not enforced: waiting ranks are inside a collective, which cannot be abandoned.
+        assert [s["outcome"] for s in seen] == ["ok"] * world.nprocs
+        assert all(s["waited"] >= 2.5 for s in seen[1:]), [s["waited"] for s in seen]
+    else:
+        assert [s["outcome"] for s in seen] == ["RankFailedError"] + ["TimeoutError"] * (world.nprocs - 1)
+        assert not any(s["ran"] for s in seen[1:])
+        assert all(s["waited"] < 2.9 for s in seen[1:]), [s["waited"] for s in seen]
+
+
+def test_first_rank_killed(world: World) -> None:
+    if world.nprocs < 2:
+        pytest.skip("needs a second rank to kill")
+    results = world.results("_test_first_rank_killed", env={"IGNITE_EXT_HEARTBEAT_TIMEOUT": "5"})
+    assert not results[1].ok and results[1].exc_type is None, "the killed rank cannot have reported"
+    others = [r for r in results if r.rank != 1]
+    assert all(r.ok for r in others), "\n".join(str(r) for r in others)
+    for r in others:
+        assert r.value["outcome"] == "RankFailedError" and not r.value["ran"], r.value
+        assert "no heartbeat" in r.value["message"], r.value
