@@ -143,7 +143,8 @@ def run_world(
             proc = _CTX.Process(
                 target=_child,
                 args=(child_conn, rank, child_env, backend, pg_timeout, fn, tuple(args), dict(kwargs or {})),
-                daemon=True,
+                # Not daemonic: a rank may start DataLoader workers. Every process is reaped in ``finally``.
+                daemon=False,
             )
             proc.start()
             child_conn.close()

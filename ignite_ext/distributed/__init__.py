@@ -10,6 +10,10 @@ yielding whether this rank runs first), :func:`rank_scheduler` and its policies.
 import ignite.distributed as _ignite_distributed
 from ignite.distributed import *  # noqa: F403
 
+# ignite.distributed imports Parallel without listing it in an __all__, so type checkers do not see it as
+# exported through the star import above; name it explicitly (it is the very same class).
+from ignite.distributed.launcher import Parallel as Parallel
+
 from ignite_ext.distributed.errors import RankFailedError, RankFailure
 from ignite_ext.distributed.policies import Comm, MasterFirst, Ordered, Plan, Policy, Turn, World
 from ignite_ext.distributed.schedule import one_rank_first, rank_scheduler
