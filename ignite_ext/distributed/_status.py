@@ -35,7 +35,21 @@ __all__ = ["Channel", "CollectiveChannel", "StoreChannel", "make_channel"]
 
 T = TypeVar("T")
 
-_LOG = logging.getLogger("ignite_ext.distributed")
+_LOGGER_NAME = "ignite_ext.distributed"
+
+
+def _log() -> logging.Logger:
+    """The scheduler's logger, set up the ignite way on first use unless the application configured it.
+
+    ``distributed_rank=0`` because the lines that matter come from waiting ranks, which ignite's default
+    (output on rank 0 only) would silence.
+    """
+    logger = logging.getLogger(_LOGGER_NAME)
+    if not logger.handlers:
+        from ignite.utils import setup_logger
+
+        setup_logger(_LOGGER_NAME, level=logging.INFO, distributed_rank=0)
+    return logger
 
 
 def _env_float(name: str, default: float) -> float:
@@ -274,7 +288,7 @@ class StoreChannel(Channel):
             if self.timeout is not None and waited > self.timeout:
                 raise TimeoutError(f"rank {self.rank} waited {waited:.0f} s for {what} ({self.label})")
             if now >= next_log:
-                _LOG.info("rank %d has waited %.0f s for %s (%s)", self.rank, waited, what, self.label)
+                _log().info("rank %d has waited %.0f s for %s (%s)", self.rank, waited, what, self.label)
                 next_log = now + log_interval()
             for peer in suspects() if waited > 0.2 else []:
                 watch = watches.setdefault(peer, _Watch(self.store, peer))
@@ -296,7 +310,7 @@ class StoreChannel(Channel):
         )
         payload = _payload([failure])
         if bytes(self.store.compare_set(self._key("out", peer), "", payload)) == payload:
-            _LOG.warning("rank %d: declaring rank %d dead (%s)", self.rank, peer, failure.message)
+            _log().warning("rank %d: declaring rank %d dead (%s)", self.rank, peer, failure.message)
             self._record_exit([failure])
             if peer != 0:
                 self.store.add(self._key("acks"), 1)
