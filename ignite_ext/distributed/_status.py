@@ -140,6 +140,7 @@ class _Heartbeat:
         if store is None:
             return False
         store.add(f"ignite_ext/hb/{self._rank}", 1)
+        _Lingering.release()
         while self._pending:
             store.delete_key(self._pending.pop())
         return True
@@ -198,6 +199,22 @@ class _Lingering:
             cls.registered = True
 
     @classmethod
+    def release(cls, store: Any | None = None) -> None:
+        """Drop the hold once the readers acknowledged (or, with ``store``, when a new block on it starts).
+
+        Holding the store longer than needed would keep its port bound after ``destroy_process_group``.
+        """
+        pending = cls.pending
+        if pending is None:
+            return
+        held, key, expected = pending
+        try:
+            if held is store or int(held.add(key, 0)) >= expected:
+                cls.pending = None
+        except Exception:
+            cls.pending = None  # the store is gone: nothing left to protect
+
+    @classmethod
     def drain(cls) -> None:
         pending, cls.pending = cls.pending, None
         if pending is None:
@@ -235,6 +252,7 @@ class StoreChannel(Channel):
         self.store = store
         self.ns = f"ignite_ext/sched/{seq}"
         self._ring = rank + 1
+        _Lingering.release(store)
         self.heartbeat = self._guarded(lambda: _Heartbeat.ensure(store, rank))
         if seq > 0:
             # Every rank has passed this block's entry collective, so none still reads the previous block's keys.

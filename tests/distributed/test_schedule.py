@@ -154,6 +154,14 @@ def body_nested() -> dict[str, Any]:
     return seen
 
 
+def body_finalize_right_after() -> str:
+    outcome = observe(lambda t: time.sleep(0.2) if t else None, idist.one_rank_first)["outcome"]
+    # The end of a script: every rank tears the process group down at once (rank 0's process hosts the
+    # store); no rank may lose its outcome to that.
+    idist.finalize()
+    return str(outcome)
+
+
 def body_repeated(n: int) -> list[str]:
     return [observe(lambda t: None, idist.one_rank_first)["outcome"] for _ in range(n)]
 
@@ -309,6 +317,11 @@ def test_nested_use_does_not_deadlock(mode: str) -> None:
 def test_repeated_use_keeps_ranks_in_step(mode: str) -> None:
     seen = launch(body_repeated, mode, 20)
     assert seen == [["ok"] * 20] * len(seen)
+
+
+def test_finalize_right_after_the_block_loses_no_outcome() -> None:
+    for _ in range(3):
+        assert values(run_world(body_finalize_right_after, 4)) == ["ok"] * 4
 
 
 class _SchedulingDataset(torch.utils.data.Dataset[int]):
