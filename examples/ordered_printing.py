@@ -52,9 +52,10 @@ if __name__ == "__main__":
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--local", action="store_true", help="Ordered(local=True): rank order within each node")
     group.add_argument("--unordered", action="store_true", help="no scheduler: the reports interleave")
+    parser.add_argument("--start-method", default="spawn", choices=["spawn", "fork"], help="fork: faster, CPU only")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     logging.getLogger("ignite.distributed.launcher.Parallel").setLevel(logging.WARNING)
     mode = "local" if args.local else "unordered" if args.unordered else "world"
-    with idist.Parallel(backend="gloo", nproc_per_node=args.nproc) as parallel:
+    with idist.Parallel(backend="gloo", nproc_per_node=args.nproc, start_method=args.start_method) as parallel:
         parallel.run(report, mode)

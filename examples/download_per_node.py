@@ -1,0 +1,63 @@
+"""One download per node directory: ``SharedPath`` finds which ranks share a directory, one of them fetches.
+
+Every rank runs ``download_url(..., extract=True)`` inside ``idist.rank_scheduler(order=idist.SharedPath(root))``:
+the ranks that see the same directory on the filesystem form a group, its lowest rank (the leader) fetches and
+extracts first, and the others then find the verified, extracted copy. The yielded ``Turn`` says which group a rank
+is in and who leads it. Here two simulated nodes of 2 ranks each get a directory each, so the server sends the
+archive twice, once per directory, instead of once per rank.
+
+Offline: the script makes a small archive and serves it on 127.0.0.1.
+
+Run it::
+
+    python examples/download_per_node.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+import ignite_ext.distributed as idist
+from ignite_ext.data import download_url
+from ignite_ext.demo._data import CountingServer, make_archive, sha256_of
+
+RANKS_PER_NODE = 2
+
+
+def fetch(local_rank: int, base: str, url: str, sha256: str) -> None:
+    rank = idist.get_rank()
+    # On a real cluster every rank would pass the same path (say /tmp/data), node-local by itself. All ranks run
+    # on one machine here, so each simulated node gets a directory of its own: ranks 0-1 node0/, ranks 2-3 node1/.
+    root = Path(base) / f"node{rank // RANKS_PER_NODE}"
+    with idist.rank_scheduler(order=idist.SharedPath(root)) as turn:
+        data = download_url(url, root, sha256=sha256, extract=True, progress=False)
+    files = sum(1 for p in data.rglob("*") if p.is_file())
+    with idist.rank_scheduler(order=idist.Ordered()):
+        print(
+            f"rank {rank}: {root.name}/ group {list(turn.group)} leader {turn.leader} first={bool(turn)}; "
+            f"{files} files in {data.name}/",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nproc", type=int, default=4, help="number of ranks (default 4, 2 per directory)")
+    parser.add_argument("--start-method", default="spawn", choices=["spawn", "fork"], help="fork: faster, CPU only")
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    logging.getLogger("ignite.distributed.launcher.Parallel").setLevel(logging.WARNING)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = make_archive(Path(tmp, "served"), train=40, val=10)
+        with (
+            CountingServer(archive.parent) as server,
+            idist.Parallel(backend="gloo", nproc_per_node=args.nproc, start_method=args.start_method) as parallel,
+        ):
+            parallel.run(fetch, str(Path(tmp, "nodes")), f"{server.url}/{archive.name}", sha256_of(archive))
+        size = archive.stat().st_size
+        print(f"server sent {server.bytes_served} bytes: {server.bytes_served / size:.2f} archives of {size} bytes")
