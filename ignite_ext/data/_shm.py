@@ -41,6 +41,7 @@ __all__ = [
     "ShmSpaceError",
     "available_bytes",
     "mapped_pss",
+    "promised_bytes",
     "sweep_stale",
 ]
 
@@ -99,6 +100,31 @@ def available_bytes(directory: str = SHM_DIR) -> int:
     """
     st = os.statvfs(directory)
     return st.f_bavail * st.f_frsize
+
+
+def promised_bytes(directory: str = SHM_DIR) -> int:
+    """Bytes that the cache arenas in ``directory`` may still allocate: their capacity not yet backed by pages.
+
+    Examples:
+        >>> import os, tempfile
+        >>> from ignite_ext.data._shm import SHM_DIR, Arena, promised_bytes
+        >>> directory = tempfile.mkdtemp(dir=SHM_DIR)
+        >>> arena = Arena.create(n=1, capacity=1 << 20, directory=directory)
+        >>> promised_bytes(directory) > 1_000_000  # the whole data area: no sample stored yet
+        True
+        >>> arena.close()
+        >>> os.rmdir(directory)
+
+    .. versionadded:: 0.1.0
+    """
+    total = 0
+    with contextlib.suppress(FileNotFoundError), os.scandir(directory) as entries:
+        for entry in entries:
+            if entry.name.endswith(".arena") and _NAME_RE.match(entry.name):
+                with contextlib.suppress(FileNotFoundError):
+                    st = entry.stat()
+                    total += max(0, st.st_size - st.st_blocks * 512)
+    return total
 
 
 def _pid_alive(pid: int) -> bool:
@@ -313,11 +339,14 @@ class Arena:
         data_off = _aligned(stats_off + rows * _SLOTS_PER_ROW * _SLOT_WORDS * 8)
         free = available_bytes(directory)
         if capacity is None:
-            capacity = int((free - data_off) * DEFAULT_FRACTION) // _ALIGN * _ALIGN
+            # Arenas fill lazily: what live caches may still claim is not free for a new default.
+            unclaimed = free - promised_bytes(directory)
+            capacity = int((unclaimed - data_off) * DEFAULT_FRACTION) // _ALIGN * _ALIGN
             if capacity < MIN_CAPACITY:
                 raise ShmSpaceError(
-                    f"{directory} has {free} bytes free; a cache of {n} samples needs {data_off} bytes for its "
-                    f"index plus at least {MIN_CAPACITY} for data. Enlarge it (e.g. docker run --shm-size=8g)."
+                    f"{directory} has {free} bytes free, {unclaimed} of them not promised to other caches; a cache "
+                    f"of {n} samples needs {data_off} bytes for its index plus at least {MIN_CAPACITY} for data. "
+                    "Enlarge it (e.g. docker run --shm-size=8g) or pass capacity_bytes."
                 )
         elif data_off + capacity > free:
             raise ShmSpaceError(

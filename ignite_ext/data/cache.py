@@ -93,7 +93,7 @@ class CachedDataset(Dataset[Any]):
             construct it (collectively, through :mod:`ignite.distributed`), over the same dataset, and the
             node's local rank 0 creates it (with its own ``capacity_bytes``).
         capacity_bytes: bytes of sample data the cache may hold. ``None``: half of the free space of
-            ``/dev/shm`` at construction.
+            ``/dev/shm`` at construction, less what live caches may still claim.
 
     Raises:
         ValueError: ``scope`` is unknown, ``capacity_bytes`` is not positive, or (node scope) the ranks of a node

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -366,3 +367,17 @@ def test_a_sample_pickle_refuses_is_served_uncached() -> None:
         assert ds[0] is sample
     assert ds.stats() == CacheStats(hits=0, misses=2, entries=0, bytes=0)
     ds.close()
+
+
+def test_default_capacity_leaves_room_promised_to_live_caches() -> None:
+    directory = tempfile.mkdtemp(dir=shm.SHM_DIR)
+    try:
+        first = Arena.create(1, directory=directory)
+        second = Arena.create(1, directory=directory)
+        # The second default is half of what the first has not claimed yet, not half of the (sparse) free space.
+        assert second.capacity < 0.3 * (shm.available_bytes(directory) + first.capacity)
+        assert shm.promised_bytes(directory) >= first.capacity + second.capacity - (1 << 20)
+        first.close()
+        second.close()
+    finally:
+        os.rmdir(directory)
