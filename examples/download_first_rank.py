@@ -86,12 +86,13 @@ if __name__ == "__main__":
 
     with tempfile.TemporaryDirectory() as tmp:
         root = args.root or str(Path(tmp, "data"))
-        server = None
-        url, sha256 = args.url, args.sha256
+        server: CountingServer | None = None
+        url, sha256, data = args.url, args.sha256, b""
         if url is None:
             data = "".join(f"{i},{i * i}\n" for i in range(1000)).encode()
-            Path(tmp, "squares.csv").write_bytes(data)
-            server = CountingServer(Path(tmp)).__enter__()
+            Path(tmp, "served").mkdir()
+            Path(tmp, "served", "squares.csv").write_bytes(data)
+            server = CountingServer(Path(tmp, "served")).__enter__()
             url, sha256 = f"{server.url}/squares.csv", hashlib.sha256(data).hexdigest()
         if args.fail:
             url = url + ".missing"
