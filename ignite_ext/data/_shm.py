@@ -239,10 +239,38 @@ class _Local:
     thread_lock: threading.Lock
 
 
-def _open_local(path: str, arena_fd: int | None = None, mm: mmap.mmap | None = None) -> _Local:
-    lock_fd = os.open(path[: -len(".arena")] + ".lock", os.O_RDWR)
+#: Where a process that has the files open can be reached: (pid, arena fd, arena inode, lock fd, lock inode).
+_Origin = tuple[int, int, int, int, int]
+
+
+def _reopen(path: str, pid: int | None, fd: int, inode: int) -> int:
+    """Open ``path``, or, once its creator has exited and deleted it, the same file through ``pid``'s descriptor."""
+    try:
+        return os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        if pid is None:
+            raise
+    try:
+        new = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)  # a fresh open file description of the same inode
+    except OSError:
+        raise FileNotFoundError(f"{path} is gone: the process that created the cache has exited") from None
+    if os.fstat(new).st_ino != inode:  # that descriptor number now names another file
+        os.close(new)
+        raise FileNotFoundError(f"{path} is gone: the process that created the cache has exited")
+    return new
+
+
+def _origin(local: _Local, pid: int) -> _Origin:
+    return (pid, local.arena_fd, os.fstat(local.arena_fd).st_ino, local.lock_fd, os.fstat(local.lock_fd).st_ino)
+
+
+def _open_local(
+    path: str, origin: _Origin | None = None, arena_fd: int | None = None, mm: mmap.mmap | None = None
+) -> _Local:
+    pid, afd, aino, lfd, lino = origin if origin is not None else (None, -1, -1, -1, -1)
+    lock_fd = _reopen(path[: -len(".arena")] + ".lock", pid, lfd, lino)
     if arena_fd is None:
-        arena_fd = os.open(path, os.O_RDWR)
+        arena_fd = _reopen(path, pid, afd, aino)
     if mm is None:
         mm = mmap.mmap(arena_fd, 0, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     whole = memoryview(mm)
@@ -307,8 +335,9 @@ class Arena:
     .. versionadded:: 0.1.0
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, origin: _Origin | None = None) -> None:
         self.path = path
+        self._origin = origin  # a process to reopen the files through if the creator has deleted them
         self._local: _Local | None = None
         self._finalizer: weakref.finalize[Any, Any] | None = None
 
@@ -378,7 +407,7 @@ class Arena:
             ):
                 header[word] = value
             header.release()
-            self._local = _open_local(path, arena_fd, mm)
+            self._local = _open_local(path, arena_fd=arena_fd, mm=mm)
         except BaseException:
             self._finalizer()
             raise
@@ -391,15 +420,21 @@ class Arena:
         self._mapped()
         return self
 
-    def __reduce__(self) -> tuple[type[Arena], tuple[str]]:
-        return type(self), (self.path,)
+    def __reduce__(self) -> tuple[type[Arena], tuple[str, _Origin | None]]:
+        # The pickling process (a rank, for its DataLoader workers) outlives what it pickles for: workers can
+        # reopen the files through its descriptors even if the node's creating rank has exited meanwhile.
+        local = self._local
+        origin = _origin(local, local.pid) if local is not None and local.pid == os.getpid() else self._origin
+        return type(self), (self.path, origin)
 
     def _mapped(self) -> _Local:
         local = self._local
         if local is not None and local.pid == os.getpid():
             return local
-        # Forked: the inherited mapping is shared and valid, but the lock descriptor must be this process's own.
-        local = _open_local(self.path) if local is None else _open_local(self.path, local.arena_fd, local.mm)
+        if local is None:
+            local = _open_local(self.path, self._origin)
+        else:  # forked: the inherited mapping is valid, but the lock needs an open file description of its own
+            local = _open_local(self.path, _origin(local, os.getpid()), local.arena_fd, local.mm)
         self._local = local
         return local
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -381,3 +382,19 @@ def test_default_capacity_leaves_room_promised_to_live_caches() -> None:
         second.close()
     finally:
         os.rmdir(directory)
+
+
+@pytest.mark.distributed
+def test_readers_reach_a_cache_whose_creator_already_deleted_it() -> None:
+    # A node cache's creating rank may exit (and delete the files) while another rank still starts workers.
+    items = [{"x": torch.full((256,), float(i)), "i": i, "name": f"s{i}"} for i in range(8)]
+    ds = CachedDataset(items, capacity_bytes=1 << 20)
+    ds[1]
+    blob = pickle.dumps(ds)  # what a spawned worker receives: names, plus descriptors of the pickling process
+    os.unlink(ds.segment)
+    os.unlink(ds.segment.replace(".arena", ".lock"))
+    spawned = pickle.loads(blob)
+    assert spawned[1]["x"][0] == 1.0 and spawned[2]["x"][0] == 2.0
+    assert sorted(epoch(loader(ds))) == list(range(8))  # forked workers: their lock reopened through /proc
+    assert ds.stats().entries == 8
+    ds.close()
