@@ -53,6 +53,18 @@ def _world_sum(value: int) -> int:
     return int(idist.all_reduce(torch.tensor([value], device=idist.device())).item())
 
 
+def _test_identity() -> dict[str, Any]:
+    """What idist reports on this rank: the tests check that each world really runs on its backend."""
+    return {
+        "backend": idist.backend(),
+        "rank": idist.get_rank(),
+        "world_size": idist.get_world_size(),
+        "local_rank": idist.get_local_rank(),
+        "node_rank": idist.get_node_rank(),
+        "nnodes": idist.get_nnodes(),
+    }
+
+
 # ----------------------------------------------------------------------------------------------- scheduling
 
 

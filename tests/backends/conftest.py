@@ -45,6 +45,7 @@ class World:
     """
 
     name: str
+    backend: str | None  # what idist.backend() says on every rank
     nprocs: int
     nproc_per_node: int
     run: Callable[..., list[RankResult]]
@@ -193,25 +194,25 @@ BACKENDS = [
 def world(request: pytest.FixtureRequest) -> World:
     name = str(request.param)
     if name == "serial":
-        return World(name, 1, 1, _serial)
+        return World(name, None, 1, 1, _serial)
     if name == "gloo":
-        return World(name, 4, 4, _native("gloo", 4))
+        return World(name, "gloo", 4, 4, _native("gloo", 4))
     if name == "gloo-2nodes":
-        return World(name, 4, 2, _native("gloo", 4, 2))
+        return World(name, "gloo", 4, 2, _native("gloo", 4, 2))
     if name == "horovod":
         reason = _horovod_skip_reason()
         if reason:
             pytest.skip(reason)
         env = {"HOROVOD_GLOO_TIMEOUT_SECONDS": "60"}
-        return World(name, HOROVOD_NPROC, HOROVOD_NPROC, _subprocess_world("horovod", HOROVOD_NPROC, env))
+        return World(name, "horovod", HOROVOD_NPROC, HOROVOD_NPROC, _subprocess_world("horovod", HOROVOD_NPROC, env))
     if name == "xla":
         reason = _xla_skip_reason()
         if reason:
             pytest.skip(reason)
         # Only one device works with PJRT on CPU, so the XLA world has one rank.
-        return World(name, 1, 1, _subprocess_world("xla-tpu", 1, {"PJRT_DEVICE": "CPU"}))
+        return World(name, "xla-tpu", 1, 1, _subprocess_world("xla-tpu", 1, {"PJRT_DEVICE": "CPU"}))
     reason = _nccl_skip_reason()
     if reason:
         pytest.skip(reason)
     n = min(4, torch.cuda.device_count())
-    return World(name, n, n, _native("nccl", n))
+    return World(name, "nccl", n, n, _native("nccl", n))

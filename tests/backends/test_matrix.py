@@ -18,6 +18,16 @@ from tests.backends.conftest import World
 pytestmark = pytest.mark.timeout(300)
 
 
+def test_world_runs_on_its_backend(world: World) -> None:
+    seen = world("_test_identity")
+    n, npn = world.nprocs, world.nproc_per_node
+    assert [s["backend"] for s in seen] == [world.backend] * n
+    assert [(s["rank"], s["world_size"]) for s in seen] == [(r, n) for r in range(n)]
+    assert [(s["local_rank"], s["node_rank"], s["nnodes"]) for s in seen] == [
+        (r % npn, r // npn, n // npn) for r in range(n)
+    ]
+
+
 def test_master_first_order_and_flag(world: World, tmp_path: Path) -> None:
     seen = world("_test_master_first", str(tmp_path))
     n = world.nprocs
