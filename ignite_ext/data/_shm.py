@@ -409,6 +409,8 @@ class Arena:
             header.release()
             self._local = _open_local(path, arena_fd=arena_fd, mm=mm)
         except BaseException:
+            if self._local is None:
+                os.close(arena_fd)
             self._finalizer()
             raise
         return self
