@@ -27,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from benchmarks._report import print_result
 from tests.data.http_server import TestHTTPServer
 
 NAME = "download"
@@ -204,18 +205,5 @@ def run(quick: bool = False) -> dict[str, Any]:
     }
 
 
-def _print(result: dict[str, Any]) -> None:
-    rows = result["rows"]
-    keys = list(rows[0])
-    widths = [max(len(k), *(len(str(r[k])) for r in rows)) for k in keys]
-    print(result["title"])
-    print(result["machine"])
-    print(" | ".join(k.ljust(w) for k, w in zip(keys, widths, strict=True)))
-    print("-+-".join("-" * w for w in widths))
-    for r in rows:
-        print(" | ".join(str(r[k]).ljust(w) for k, w in zip(keys, widths, strict=True)))
-    print(result["summary"])
-
-
 if __name__ == "__main__":
-    _print(run(quick="--quick" in sys.argv[1:]))
+    print_result(run(quick="--quick" in sys.argv[1:]))

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch.utils.data import DistributedSampler
 
+from benchmarks._report import print_result
 from ignite_ext.data import ShardedDistributedSampler
 
 NAME = "sampler"
@@ -111,18 +112,5 @@ def run(quick: bool = False) -> dict[str, Any]:
     }
 
 
-def _print(result: dict[str, Any]) -> None:
-    rows = result["rows"]
-    keys = list(rows[0])
-    widths = [max(len(k), *(len(str(r[k])) for r in rows)) for k in keys]
-    print(result["title"])
-    print(result["machine"])
-    print(" | ".join(k.ljust(w) for k, w in zip(keys, widths, strict=True)))
-    print("-+-".join("-" * w for w in widths))
-    for r in rows:
-        print(" | ".join(str(r[k]).ljust(w) for k, w in zip(keys, widths, strict=True)))
-    print(result["summary"])
-
-
 if __name__ == "__main__":
-    _print(run())
+    print_result(run())

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import socket
 import statistics
 import sys
 import tempfile
@@ -53,6 +54,12 @@ def _worker(local_rank: int, out: str, rounds: int, calls: int) -> None:
         Path(out).write_text(json.dumps({k: statistics.median(v) for k, v in times.items()}))
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def _measure(nproc: int, rounds: int, calls: int, channel: str) -> dict[str, float]:
     import ignite_ext.distributed as idist
 
@@ -60,7 +67,11 @@ def _measure(nproc: int, rounds: int, calls: int, channel: str) -> dict[str, flo
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "result.json")
-        with idist.Parallel(backend="gloo", nproc_per_node=nproc) as parallel:
+        # A free port rather than idist.Parallel's default, which other jobs on the machine may hold.
+        port = _free_port()
+        with idist.Parallel(
+            backend="gloo", nproc_per_node=nproc, master_addr="127.0.0.1", master_port=port
+        ) as parallel:
             parallel.run(_worker, out, rounds, calls)
         return dict(json.loads(Path(out).read_text()))
 

@@ -33,6 +33,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from ignite_ext.data._proc import pid_alive
+
 __all__ = [
     "DEFAULT_FRACTION",
     "MIN_CAPACITY",
@@ -127,16 +129,6 @@ def promised_bytes(directory: str = SHM_DIR) -> int:
     return total
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by someone else
-    return True
-
-
 def sweep_stale(directory: str = SHM_DIR) -> list[str]:
     """Delete the arenas (and lock files) of caches whose creating process is gone; return the removed paths.
 
@@ -158,7 +150,7 @@ def sweep_stale(directory: str = SHM_DIR) -> list[str]:
     me = os.getpid()
     for name in sorted(names):
         match = _NAME_RE.match(name)
-        if match is None or int(match.group(1)) == me or _pid_alive(int(match.group(1))):
+        if match is None or int(match.group(1)) == me or pid_alive(int(match.group(1))):
             continue
         path = os.path.join(directory, name)
         if match.group(2) == "arena":
@@ -535,7 +527,7 @@ class Arena:
         owner_word = (row * _SLOTS_PER_ROW + slot) * _SLOT_WORDS + _OWNER
         with self._locked(local):
             owner = local.stats[owner_word]
-            if owner not in (0, local.pid) and _pid_alive(owner):
+            if owner not in (0, local.pid) and pid_alive(owner):
                 return _SHARED_SLOT  # e.g. two DataLoaders of one rank iterating at once: same worker ids
             local.stats[owner_word] = local.pid
         return slot

@@ -56,6 +56,7 @@ from ignite_ext.data._http import (
     check_scheme,
     open_range,
 )
+from ignite_ext.data._proc import pid_alive
 
 __all__ = [
     "ORPHAN_MAX_AGE_S",
@@ -357,7 +358,7 @@ def _owner_gone(match: re.Match[str], path: Path) -> bool:
     """Whether the writer named in ``match`` can no longer touch ``path``."""
     # On Windows os.kill(pid, 0) would send CTRL_C_EVENT, so only the idle-age rule applies there.
     if match["host"] == _host() and os.name != "nt":
-        return not _pid_alive(int(match["pid"]))
+        return not pid_alive(int(match["pid"]))
     return _idle(path)
 
 
@@ -367,20 +368,6 @@ def _idle(path: Path) -> bool:
         return time.time() - path.stat().st_mtime > ORPHAN_MAX_AGE_S
     except FileNotFoundError:
         return False
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's live process
-    try:  # a killed child that its parent has not reaped yet is a zombie: it will never write again
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return True
 
 
 def _orphans(directory: Path, pattern: re.Pattern[str]) -> Iterator[tuple[Path, re.Match[str]]]:
