@@ -252,20 +252,26 @@ class StoreChannel(Channel):
         self.store = store
         self.ns = f"ignite_ext/sched/{seq}"
         self._ring = rank + 1
-        _Lingering.release(store)
+        self.seq = seq
         self.heartbeat = self._guarded(lambda: _Heartbeat.ensure(store, rank))
-        if seq > 0:
-            # Every rank has passed this block's entry collective, so none still reads the previous block's keys.
-            prev = f"ignite_ext/sched/{seq - 1}"
-            shared = [f"{prev}/{k}" for k in ("exits", "nfail", "acks", "entered", "verdict")] if rank == 0 else []
-            self.heartbeat.delete_later([f"{prev}/out/{rank}", f"{prev}/entry/{rank}", *shared])
+
+    def _forget_previous_block(self) -> None:
+        # Called once this block's verdict is known: rank 0 judged only after every rank had entered this
+        # block, so every rank has left the previous one and none reads its keys any more.
+        _Lingering.release(self.store)
+        if self.seq > 0:
+            prev = f"ignite_ext/sched/{self.seq - 1}"
+            shared = [f"{prev}/{k}" for k in ("exits", "nfail", "acks", "entered", "verdict")] if self.rank == 0 else []
+            self.heartbeat.delete_later([f"{prev}/out/{self.rank}", f"{prev}/entry/{self.rank}", *shared])
 
     def exchange(self, mine: bytes, judge: Callable[[list[bytes]], bytes]) -> bytes:
         """Rank 0 collects every entry from the store, judges, and publishes the verdict: no collective.
 
         A late rank therefore delays the others without running into the process group's timeout.
         """
-        return self._guarded(lambda: self._exchange(mine, judge))
+        verdict = self._guarded(lambda: self._exchange(mine, judge))
+        self._forget_previous_block()
+        return verdict
 
     def _exchange(self, mine: bytes, judge: Callable[[list[bytes]], bytes]) -> bytes:
         self.store.set(self._key("entry", self.rank), mine)

@@ -324,6 +324,13 @@ def test_finalize_right_after_the_block_loses_no_outcome() -> None:
         assert values(run_world(body_finalize_right_after, 4)) == ["ok"] * 4
 
 
+def test_many_back_to_back_blocks_with_frequent_key_cleanup() -> None:
+    # Old keys are deleted in the background (on each heartbeat, every 0.2 s here): no rank may lose a key of
+    # a block it is still in, however far the other ranks have moved on.
+    seen = values(run_world(body_repeated, 4, args=(400,), env={"IGNITE_EXT_HEARTBEAT_TIMEOUT": "1.2"}, deadline=150))
+    assert seen == [["ok"] * 400] * 4
+
+
 class _SchedulingDataset(torch.utils.data.Dataset[int]):
     def __len__(self) -> int:
         return 2
