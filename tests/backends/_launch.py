@@ -1,41 +1,59 @@
-"""Run one body of :mod:`tests.backends._bodies` on a world started by ``idist.Parallel`` (Horovod, XLA).
+"""Run bodies of :mod:`tests.backends._bodies` on a world started by ``idist.Parallel`` (Horovod, XLA).
 
-Used as ``python -m tests.backends._launch BACKEND NPROC OUTDIR BODY ARGS_JSON`` from a parent that enforces a
-hard deadline on the whole process tree. Every rank writes what it returned or raised to
-``OUTDIR/rank<r>.pkl`` (atomically), so the parent learns each rank's outcome even when some ranks fail.
+``python -m tests.backends._launch BACKEND NPROC JOBDIR`` starts the world once and serves jobs: starting a
+Horovod world costs tens of seconds on a small machine (every rank imports torch and horovod), so one world runs
+many bodies. The parent publishes ``JOBDIR/job<n>.pkl`` (``(body, args)``, by an atomic rename); every rank runs
+the jobs in order and writes what it returned or raised to ``JOBDIR/job<n>.rank<r>.pkl``, so the parent learns
+each rank's outcome even when some ranks fail. A job ``(None, ())`` ends the world. The parent enforces every
+deadline and kills the whole process tree when one passes (or when a body broke the world).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import sys
+import time
 import traceback
+from pathlib import Path
 from typing import Any
 
 
-def _rank_main(local_rank: int, outdir: str, body: str, args: list[Any]) -> None:
+def publish(path: Path, obj: Any) -> None:
+    """Write ``obj`` pickled to ``path`` so that readers never see a partial file."""
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    tmp.write_bytes(pickle.dumps(obj))
+    os.replace(tmp, path)
+
+
+def _serve(local_rank: int, jobdir: str) -> None:
     import ignite_ext.distributed as idist
     from tests.backends import _bodies
 
-    record: tuple[Any, ...]
-    try:
-        record = ("ok", getattr(_bodies, body)(*args))
-    except BaseException as exc:  # report everything; the parent decides
-        record = ("err", type(exc).__name__, str(exc), traceback.format_exc())
-    path = os.path.join(outdir, f"rank{idist.get_rank()}.pkl")
-    with open(path + ".tmp", "wb") as f:
-        pickle.dump(record, f)
-    os.replace(path + ".tmp", path)
+    rank = idist.get_rank()
+    n = 0
+    while True:
+        job = Path(jobdir, f"job{n}.pkl")
+        while not job.exists():
+            time.sleep(0.02)
+        body, args = pickle.loads(job.read_bytes())
+        if body is None:
+            return
+        record: tuple[Any, ...]
+        try:
+            record = ("ok", getattr(_bodies, body)(*args))
+        except BaseException as exc:  # report everything; the parent decides
+            record = ("err", type(exc).__name__, str(exc), traceback.format_exc())
+        publish(Path(jobdir, f"job{n}.rank{rank}.pkl"), record)
+        n += 1
 
 
 def main(argv: list[str]) -> int:
-    backend, nproc, outdir, body, args_json = argv
+    backend, nproc, jobdir = argv
     import ignite_ext.distributed as idist
 
     with idist.Parallel(backend=backend, nproc_per_node=int(nproc)) as parallel:
-        parallel.run(_rank_main, outdir, body, json.loads(args_json))
+        parallel.run(_serve, jobdir)
     return 0
 
 

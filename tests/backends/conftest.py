@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import json
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -27,11 +28,14 @@ import torch
 
 from tests._world import RankResult, run_world, values
 from tests.backends import _bodies
+from tests.backends._launch import publish
 
 ROOT = Path(__file__).resolve().parents[2]
 HOROVOD_NPROC = 4
-# Starting a Horovod world (its Gloo rendezvous, four interpreters importing torch) takes seconds on two cores.
+# Starting a Horovod world (its Gloo rendezvous, four interpreters importing torch and horovod) takes 20-30 s on
+# two busy cores: the first job of a launched world gets this long, every later job JOB_DEADLINE.
 SUBPROCESS_DEADLINE = float(os.environ.get("IGNITE_EXT_BACKEND_DEADLINE", "120"))
+JOB_DEADLINE = 60.0
 
 
 @dataclass
@@ -111,45 +115,91 @@ def _kill_tree(proc: subprocess.Popen[bytes]) -> None:
     proc.wait()
 
 
-def _subprocess_world(backend: str, nprocs: int, base_env: dict[str, str]) -> Callable[..., list[RankResult]]:
+class _LaunchedWorld:
+    """A Horovod or XLA world started once by ``tests.backends._launch``, running one body per :meth:`call`."""
+
+    def __init__(self, backend: str, nprocs: int, env: dict[str, str]) -> None:
+        self.backend, self.nprocs, self.calls = backend, nprocs, 0
+        self.jobdir = Path(tempfile.mkdtemp(prefix="ignite_ext_world_"))
+        cmd = [sys.executable, "-m", "tests.backends._launch", backend, str(nprocs), str(self.jobdir)]
+        child_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env}
+        with open(self.jobdir / "launcher.log", "wb") as log:  # a file, not a pipe: nothing to drain
+            self.proc = subprocess.Popen(
+                cmd, cwd=ROOT, env=child_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        self.in_step = True  # every rank reported ok on the last job, so all wait for the next one
+
+    @property
+    def usable(self) -> bool:
+        return self.in_step and self.proc.poll() is None
+
+    def output(self) -> str:
+        return (self.jobdir / "launcher.log").read_bytes().decode(errors="replace")[-6000:]
+
+    def call(self, body: str, args: tuple[Any, ...]) -> list[RankResult]:
+        n, self.calls = self.calls, self.calls + 1
+        # The first job also waits for the world to start.
+        deadline = time.monotonic() + (SUBPROCESS_DEADLINE if n == 0 else JOB_DEADLINE)
+        publish(self.jobdir / f"job{n}.pkl", (body, list(args)))
+        paths = [self.jobdir / f"job{n}.rank{r}.pkl" for r in range(self.nprocs)]
+        while not all(p.exists() for p in paths) and self.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        results = []
+        for rank, path in enumerate(paths):
+            res = RankResult(rank=rank, exitcode=self.proc.poll())
+            if path.exists():
+                record = pickle.loads(path.read_bytes())
+                if record[0] == "ok":
+                    res.ok, res.value = True, record[1]
+                else:
+                    res.exc_type, res.message, res.traceback = record[1:]
+            else:
+                res.timed_out = time.monotonic() >= deadline
+            results.append(res)
+        # A rank that failed may be out of step with the others: never give this world another job.
+        self.in_step = all(r.ok for r in results)
+        if not self.in_step:
+            self.close(keep_log=True)
+            output = self.output()  # the only trace of ranks that died without reporting
+            shutil.rmtree(self.jobdir, ignore_errors=True)
+            for r in results:
+                r.extra["output"] = output
+        return results
+
+    def close(self, keep_log: bool = False) -> None:
+        # Killed rather than stopped: every result is in, and a graceful Horovod shutdown takes another 10-15 s.
+        _kill_tree(self.proc)  # stragglers outlive a launcher that returned, or one that is stuck
+        self.in_step = False
+        if not keep_log:
+            shutil.rmtree(self.jobdir, ignore_errors=True)
+
+
+def _subprocess_world(
+    backend: str, nprocs: int, base_env: dict[str, str], launched: dict[str, _LaunchedWorld]
+) -> Callable[..., list[RankResult]]:
     def run(
         body: str, *args: Any, env: dict[str, str] | None = None, pg_timeout: float | None = None
     ) -> list[RankResult]:
-        with tempfile.TemporaryDirectory(prefix="ignite_ext_world_") as outdir:
-            cmd = [sys.executable, "-m", "tests.backends._launch", backend, str(nprocs), outdir, body, json.dumps(args)]
-            child_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **base_env, **(env or {})}
-            proc = subprocess.Popen(
-                cmd, cwd=ROOT, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
-            )
+        if env:  # settings that take effect at start-up: a world of its own
+            own = _LaunchedWorld(backend, nprocs, {**base_env, **env})
             try:
-                out, _ = proc.communicate(timeout=SUBPROCESS_DEADLINE)
-            except subprocess.TimeoutExpired:
-                _kill_tree(proc)
-                out = proc.stdout.read() if proc.stdout else b""
-                raise AssertionError(
-                    f"{backend} world of {nprocs} still running after {SUBPROCESS_DEADLINE}s; killed. Output:\n"
-                    + out.decode(errors="replace")[-6000:]
-                ) from None
+                return own.call(body, args)
             finally:
-                _kill_tree(proc)  # stragglers outlive a launcher that returned early
-            results = []
-            for rank in range(nprocs):
-                res = RankResult(rank=rank, exitcode=proc.returncode)
-                path = Path(outdir, f"rank{rank}.pkl")
-                if path.exists():
-                    record = pickle.loads(path.read_bytes())
-                    if record[0] == "ok":
-                        res.ok, res.value = True, record[1]
-                    else:
-                        res.exc_type, res.message, res.traceback = record[1:]
-                results.append(res)
-            if not all(r.ok for r in results):
-                # The launcher's output is the only trace of ranks that died without reporting.
-                for r in results:
-                    r.extra["output"] = out.decode(errors="replace")[-6000:]
-            return results
+                own.close()
+        shared = launched.get(backend)
+        if shared is None or not shared.usable:
+            shared = launched[backend] = _LaunchedWorld(backend, nprocs, base_env)
+        return shared.call(body, args)
 
     return run
+
+
+@pytest.fixture(scope="session")
+def _launched_worlds() -> Iterator[dict[str, _LaunchedWorld]]:
+    worlds: dict[str, _LaunchedWorld] = {}
+    yield worlds
+    for w in worlds.values():
+        w.close()
 
 
 @cache
@@ -191,7 +241,7 @@ BACKENDS = [
 
 
 @pytest.fixture(params=BACKENDS)
-def world(request: pytest.FixtureRequest) -> World:
+def world(request: pytest.FixtureRequest, _launched_worlds: dict[str, _LaunchedWorld]) -> World:
     name = str(request.param)
     if name == "serial":
         return World(name, None, 1, 1, _serial)
@@ -204,13 +254,19 @@ def world(request: pytest.FixtureRequest) -> World:
         if reason:
             pytest.skip(reason)
         env = {"HOROVOD_GLOO_TIMEOUT_SECONDS": "60"}
-        return World(name, "horovod", HOROVOD_NPROC, HOROVOD_NPROC, _subprocess_world("horovod", HOROVOD_NPROC, env))
+        return World(
+            name,
+            "horovod",
+            HOROVOD_NPROC,
+            HOROVOD_NPROC,
+            _subprocess_world("horovod", HOROVOD_NPROC, env, _launched_worlds),
+        )
     if name == "xla":
         reason = _xla_skip_reason()
         if reason:
             pytest.skip(reason)
         # Only one device works with PJRT on CPU, so the XLA world has one rank.
-        return World(name, "xla-tpu", 1, 1, _subprocess_world("xla-tpu", 1, {"PJRT_DEVICE": "CPU"}))
+        return World(name, "xla-tpu", 1, 1, _subprocess_world("xla-tpu", 1, {"PJRT_DEVICE": "CPU"}, _launched_worlds))
     reason = _nccl_skip_reason()
     if reason:
         pytest.skip(reason)

@@ -15,11 +15,13 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def test_first_rank_works_longer_than_the_collective_timeout(world: World) -> None:
-    # Native: a process group timeout of 2 s. Horovod: its Gloo timeout, 2 s.
-    seen = world("_test_long_first_rank", 5.0, None, pg_timeout=2.0, env={"HOROVOD_GLOO_TIMEOUT_SECONDS": "2"})
+    # Native: a process group timeout of 2 s, a first rank working 5 s. Horovod: its Gloo timeout at 5 s (it
+    # also bounds the start-up rendezvous, which a shorter one can fail on a busy machine), a first rank of 8 s.
+    seconds = 8.0 if world.name == "horovod" else 5.0
+    seen = world("_test_long_first_rank", seconds, None, pg_timeout=2.0, env={"HOROVOD_GLOO_TIMEOUT_SECONDS": "5"})
     assert [s["outcome"] for s in seen] == ["ok"] * world.nprocs
     assert [s["sum"] for s in seen] == [world.nprocs] * world.nprocs, "the world is unusable after the wait"
-    assert all(s["waited"] >= 4.5 for s in seen), [s["waited"] for s in seen]
+    assert all(s["waited"] >= seconds - 0.5 for s in seen), [s["waited"] for s in seen]
 
 
 def test_timeout_argument(world: World) -> None:
@@ -42,6 +44,14 @@ def test_first_rank_killed(world: World) -> None:
     results = world.results("_test_first_rank_killed", env={"IGNITE_EXT_HEARTBEAT_TIMEOUT": "5"})
     assert not results[1].ok and results[1].exc_type is None, "the killed rank cannot have reported"
     others = [r for r in results if r.rank != 1]
+    if world.name == "horovod":
+        # No heartbeat: Horovod itself notices that a rank is gone and shuts down. The waiting ranks' collective
+        # then raises horovod's own error (or its launcher ends them first): an error, not a hang, but not a
+        # RankFailedError either.
+        assert not any(r.ok for r in others), "\n".join(str(r) for r in others)
+        assert all(r.exc_type in (None, "HorovodInternalError") for r in others), "\n".join(map(str, others))
+        assert not any(r.timed_out for r in others), "\n".join(str(r) for r in others)
+        return
     assert all(r.ok for r in others), "\n".join(str(r) for r in others)
     for r in others:
         assert r.value["outcome"] == "RankFailedError" and not r.value["ran"], r.value
