@@ -15,13 +15,12 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def test_first_rank_works_longer_than_the_collective_timeout(world: World) -> None:
-    # Native: a process group timeout of 2 s, a first rank working 5 s. Horovod: its Gloo timeout at 5 s (it
-    # also bounds the start-up rendezvous, which a shorter one can fail on a busy machine), a first rank of 8 s.
-    seconds = 8.0 if world.name == "horovod" else 5.0
-    seen = world("_test_long_first_rank", seconds, None, pg_timeout=2.0, env={"HOROVOD_GLOO_TIMEOUT_SECONDS": "5"})
+    # A first rank works 8 s; the process group timeout (native) or Horovod's Gloo timeout is 5 s. Shorter
+    # timeouts also bound the start-up rendezvous, which they can fail on a busy machine.
+    seen = world("_test_long_first_rank", 8.0, None, pg_timeout=5.0, env={"HOROVOD_GLOO_TIMEOUT_SECONDS": "5"})
     assert [s["outcome"] for s in seen] == ["ok"] * world.nprocs
     assert [s["sum"] for s in seen] == [world.nprocs] * world.nprocs, "the world is unusable after the wait"
-    assert all(s["waited"] >= seconds - 0.5 for s in seen), [s["waited"] for s in seen]
+    assert all(s["waited"] >= 7.5 for s in seen), [s["waited"] for s in seen]
 
 
 def test_timeout_argument(world: World) -> None:
