@@ -78,7 +78,7 @@ def _measure(nproc: int, rounds: int, calls: int, channel: str) -> dict[str, flo
 
 def run(quick: bool = False) -> dict[str, Any]:
     """Measure and return the rows, the ratio against ignite and the Ordered scaling."""
-    rounds, calls = (3, 20) if quick else (7, 50)
+    rounds, calls = (3, 20) if quick else (5, 30)
     rows: list[dict[str, Any]] = []
     for channel in ("store", "collective"):
         for nproc in (2, 4) if quick else (2, 4, 8):
