@@ -11,6 +11,8 @@
 # Usage: bash scripts/horovod_wheel.sh   (uses $PYTHON or the python on PATH, i.e. the active venv)
 # Exit status: 0 when horovod.torch imports afterwards, non-zero otherwise (the caller decides what to do).
 set -euo pipefail
+# The last line of a failed run names the step that failed (scripts/test.sh shows it as the skip reason).
+trap 'echo "[horovod] FAILED (exit $?) at line $LINENO: $BASH_COMMAND" >&2' ERR
 
 HOROVOD_VERSION="${HOROVOD_VERSION:-0.28.1}"
 PY="${PYTHON:-python}"
