@@ -136,7 +136,8 @@ def rank_scheduler(order: Policy | None = None, *, timeout: float | None = None)
       may run far longer than the process group's timeout. Waiting ranks log (logger
       ``ignite_ext.distributed``, INFO) whom they wait for every 30 s; a rank killed inside the block is
       noticed by its heartbeat stopping (``IGNITE_EXT_HEARTBEAT_TIMEOUT``, 30 s) and reported as failed.
-      On Horovod and XLA, waits are collectives: bounded by the backend's timeout, ``timeout`` is not enforced.
+      On Horovod and XLA, waits are collectives: ``timeout`` is not enforced and a killed rank surfaces as the
+      backend's own error (see the backends page).
     * Serial runs (world size 1) run the block and yield a truthy turn. A scheduler nested inside a scheduled
       block does not communicate (the outer one already orders the ranks) and yields its policy's turn.
       DataLoader worker processes are not ranks: calling it there raises ``RuntimeError``.
