@@ -58,14 +58,7 @@ SUMMARY="$(mktemp)"
   echo '```'
   echo "<!-- nccl:end -->"
 } > "$SUMMARY"
-"$VENV/bin/python" - "$ROOT/docs/backends_last_runs.md" "$SUMMARY" <<'EOF'
-import os, re, sys
-runs, summary = sys.argv[1], open(sys.argv[2]).read().strip()
-text = open(runs).read() if os.path.exists(runs) else "# Backend matrix: last runs\n"
-pattern = re.compile(r"<!-- nccl:begin -->.*?<!-- nccl:end -->", re.S)
-text = pattern.sub(lambda _: summary, text) if pattern.search(text) else text.rstrip() + "\n\n" + summary + "\n"
-open(runs, "w").write(text)
-EOF
+"$VENV/bin/python" "$ROOT/scripts/record_last_run.py" nccl "$ROOT/docs/backends_last_runs.md" "$SUMMARY"
 rm -f "$SUMMARY"
 echo "[nccl] summary written to docs/backends_last_runs.md"
 exit "$status"

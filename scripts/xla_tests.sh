@@ -57,14 +57,7 @@ SUMMARY="$(mktemp)"
   echo "<!-- xla:end -->"
 } > "$SUMMARY"
 RUNS="$ROOT/docs/backends_last_runs.md"
-python3 - "$RUNS" "$SUMMARY" <<'EOF'
-import re, sys
-runs, summary = sys.argv[1], open(sys.argv[2]).read().strip()
-text = open(runs).read() if __import__("os").path.exists(runs) else "# Backend matrix: last runs\n"
-pattern = re.compile(r"<!-- xla:begin -->.*?<!-- xla:end -->", re.S)
-text = pattern.sub(lambda _: summary, text) if pattern.search(text) else text.rstrip() + "\n\n" + summary + "\n"
-open(runs, "w").write(text)
-EOF
+python3 "$ROOT/scripts/record_last_run.py" xla "$RUNS" "$SUMMARY"
 rm -f "$SUMMARY"
 echo "[xla] summary written to docs/backends_last_runs.md"
 exit "$status"
