@@ -44,21 +44,7 @@ timeout -k 10 240 "$VENV/bin/python" -m pytest tests/backends -m nccl -rA -q "$@
 status=${PIPESTATUS[0]}
 set -e
 
-SUMMARY="$(mktemp)"
-{
-  echo "<!-- nccl:begin -->"
-  echo "## NCCL (\`bash scripts/nccl_check.sh\`)"
-  echo
-  echo "Last run: $(date -u '+%Y-%m-%d %H:%M UTC'), $(nvidia-smi -L | wc -l) GPU(s) ($(nvidia-smi --query-gpu=name --format=csv,noheader | sort -u | paste -sd, -)), $(( $(date +%s) - START )) s in all."
-  echo "pytest exit status: $status."
-  echo
-  echo '```'
-  grep -E '^(PASSED|FAILED|ERROR|SKIPPED)' "$LOG" | sed 's/ - .*//' || true
-  tail -n 1 "$LOG"
-  echo '```'
-  echo "<!-- nccl:end -->"
-} > "$SUMMARY"
-"$VENV/bin/python" "$ROOT/scripts/record_last_run.py" nccl "$ROOT/docs/backends_last_runs.md" "$SUMMARY"
-rm -f "$SUMMARY"
+HEADLINE="Last run: $(date -u '+%Y-%m-%d %H:%M UTC'), $(nvidia-smi -L | wc -l) GPU(s) ($(nvidia-smi --query-gpu=name --format=csv,noheader | sort -u | paste -sd, -)), $(( $(date +%s) - START )) s in all."
+"$VENV/bin/python" "$ROOT/scripts/record_last_run.py" nccl "NCCL (\`bash scripts/nccl_check.sh\`)" "$HEADLINE" "$status" "$LOG" "$ROOT/docs/backends_last_runs.md"
 echo "[nccl] summary written to docs/backends_last_runs.md"
 exit "$status"

@@ -42,22 +42,7 @@ set -e
 
 # Record the outcome: when, which versions, the per-test lines and pytest's last line.
 VERSIONS="$("$VENV/bin/python" -c 'import torch, torch_xla, ignite; print(f"torch {torch.__version__}, torch_xla {torch_xla.__version__}, pytorch-ignite {ignite.__version__}")' 2>/dev/null || echo "versions unavailable")"
-SUMMARY="$(mktemp)"
-{
-  echo "<!-- xla:begin -->"
-  echo "## XLA (\`bash scripts/xla_tests.sh\`)"
-  echo
-  echo "Last run: $(date -u '+%Y-%m-%d %H:%M UTC') on $(uname -m), $(nproc) CPU cores, PJRT_DEVICE=CPU; $VERSIONS."
-  echo "pytest exit status: $status."
-  echo
-  echo '```'
-  grep -E '^(PASSED|FAILED|ERROR|SKIPPED)' "$LOG" | sed 's/ - .*//' || true
-  tail -n 1 "$LOG"
-  echo '```'
-  echo "<!-- xla:end -->"
-} > "$SUMMARY"
-RUNS="$ROOT/docs/backends_last_runs.md"
-python3 "$ROOT/scripts/record_last_run.py" xla "$RUNS" "$SUMMARY"
-rm -f "$SUMMARY"
+HEADLINE="Last run: $(date -u '+%Y-%m-%d %H:%M UTC') on $(uname -m), $(nproc) CPU cores, PJRT_DEVICE=CPU; $VERSIONS."
+python3 "$ROOT/scripts/record_last_run.py" xla "XLA (\`bash scripts/xla_tests.sh\`)" "$HEADLINE" "$status" "$LOG" "$ROOT/docs/backends_last_runs.md"
 echo "[xla] summary written to docs/backends_last_runs.md"
 exit "$status"
