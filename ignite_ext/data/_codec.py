@@ -4,12 +4,18 @@ A sample becomes a *skeleton* plus the raw bytes of every dense tensor and array
 at 64-byte aligned offsets. The skeleton is a pickled tree of tagged tuples of builtin types (a tensor node holds its
 dtype's name, shape and where its bytes are; a container node holds its children; any other value is kept as is),
 so unpickling it imports no class and costs about a microsecond. Tensors and
-arrays are never pickled, so encoding is a single memory copy of their bytes and decoding is one copy back into a
-fresh tensor or array: what a caller gets never aliases the buffer it was decoded from.
+arrays are never pickled, so encoding is a single memory copy of their bytes. Decoding copies them back into fresh
+tensors and arrays, except that buffers of :data:`LENDABLE` bytes or more are offered to a ``borrow`` callback first,
+which may return a private copy-on-write view of them instead (:mod:`ignite_ext.data._cow`): either way what a caller
+gets never aliases the buffer it was decoded from.
 
 Layout of one encoded sample::
 
-    u32 magic | u32 skeleton length | skeleton (pickle) | padding to 64 | raw 0 | padding | raw 1 | ...
+    u32 magic | u32 skeleton length | u32 start of raw 0 | skeleton (pickle) | padding | raw 0 | padding | raw 1 | ...
+
+Raw buffers start at multiples of 64 bytes; those of :data:`LENDABLE` bytes or more start at a page boundary and are
+padded to the next one (and so is the start of the raw region, then), so that no two buffers share a page: a range
+written at a page-aligned offset can lend each such buffer's pages on their own.
 
 .. versionadded:: 0.1.0
 """
@@ -18,22 +24,33 @@ from __future__ import annotations
 
 import pickle
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["Encoded", "decode", "encode"]
+from ignite_ext.data._cow import PAGE
 
-_MAGIC = 0x49584331  # "IXC1": catches a range that was never written by this codec
-_PREFIX = struct.Struct("<II")
+__all__ = ["LENDABLE", "Encoded", "decode", "encode"]
+
+_MAGIC = 0x49584332  # "IXC2": catches a range that was never written by this codec
+_PREFIX = struct.Struct("<III")
 #: Raw buffers start at multiples of this, so decoding copies from aligned addresses.
 ALIGN = 64
+#: Raw buffers of at least this many bytes own whole pages, so they can be lent copy-on-write instead of copied.
+#: Smaller ones are copied: their copy costs less than the page-table work of lending, and padding them to pages
+#: would waste up to two pages each.
+LENDABLE = 256 << 10
+
+#: Where a decoded buffer may come from instead of a copy: ``(offset, nbytes)`` in the encoded range to a writable
+#: view that nobody else sees (or ``None`` to copy).
+Borrow = Callable[[int, int], "memoryview | None"]
 
 
-def _aligned(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
+def _aligned(n: int, align: int = ALIGN) -> int:
+    return (n + align - 1) // align * align
 
 
 # Skeleton node tags. Every node is a tuple whose first item is one of these, so no user value can pass for a node.
@@ -44,6 +61,12 @@ _TORCH_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() 
 @dataclass(frozen=True)
 class Encoded:
     """A sample ready to be written: the skeleton prefix followed by the raw buffers at their offsets.
+
+    Args:
+        head: magic, skeleton length and skeleton.
+        raws: each raw buffer with its offset in the range.
+        nbytes: length of the range.
+        align: the range must start at a multiple of this (a page when a buffer is :data:`LENDABLE`).
 
     Examples:
         >>> import torch
@@ -60,6 +83,7 @@ class Encoded:
     head: bytes
     raws: tuple[tuple[int, memoryview], ...]
     nbytes: int
+    align: int = ALIGN
 
     def write_into(self, out: memoryview) -> None:
         """Copy the encoded sample into ``out``, which must hold at least :attr:`nbytes` bytes."""
@@ -70,13 +94,17 @@ class Encoded:
 
 class _Encoder:
     def __init__(self) -> None:
-        self.raws: list[memoryview] = []
-        self.size = 0  # bytes of the raw region so far, relative to its start
+        self.raws: list[tuple[int, memoryview]] = []  # offsets relative to the start of the raw region
+        self.size = 0  # bytes of the raw region so far
+        self.align = ALIGN  # what the raw region's start must be a multiple of
 
     def _add(self, raw: memoryview) -> int:
-        offset = _aligned(self.size)
-        self.raws.append(raw)
-        self.size = offset + raw.nbytes
+        own_pages = raw.nbytes >= LENDABLE
+        offset = _aligned(self.size, PAGE if own_pages else ALIGN)
+        self.raws.append((offset, raw))
+        self.size = _aligned(offset + raw.nbytes, PAGE) if own_pages else offset + raw.nbytes
+        if own_pages:
+            self.align = PAGE
         return offset
 
     def walk(self, obj: Any) -> tuple[Any, ...]:
@@ -127,25 +155,28 @@ def encode(sample: Any) -> Encoded:
     """
     enc = _Encoder()
     skeleton = pickle.dumps(enc.walk(sample), protocol=pickle.HIGHEST_PROTOCOL)
-    head = _PREFIX.pack(_MAGIC, len(skeleton)) + skeleton
-    base = _aligned(len(head))
-    raws: list[tuple[int, memoryview]] = []
-    offset = 0
-    for raw in enc.raws:
-        offset = _aligned(offset)
-        raws.append((base + offset, raw))
-        offset += raw.nbytes
-    return Encoded(head, tuple(raws), base + enc.size if enc.raws else len(head))
+    end = _PREFIX.size + len(skeleton)
+    if not enc.raws:
+        return Encoded(_PREFIX.pack(_MAGIC, len(skeleton), end) + skeleton, (), end)
+    base = _aligned(end, enc.align)
+    head = _PREFIX.pack(_MAGIC, len(skeleton), base) + skeleton
+    return Encoded(head, tuple((base + offset, raw) for offset, raw in enc.raws), base + enc.size, enc.align)
 
 
 class _Decoder:
-    def __init__(self, buf: memoryview, base: int) -> None:
+    def __init__(self, buf: memoryview, base: int, borrow: Borrow | None) -> None:
         self.buf = buf
         self.base = base
+        self.borrow = borrow
 
     def _bytes(self, offset: int, nbytes: int) -> memoryview:
         start = self.base + offset
         return self.buf[start : start + nbytes]
+
+    def _lent(self, offset: int, nbytes: int) -> memoryview | None:
+        if self.borrow is None or nbytes < LENDABLE:
+            return None
+        return self.borrow(self.base + offset, nbytes)
 
     def walk(self, node: tuple[Any, ...]) -> Any:
         tag = node[0]
@@ -157,14 +188,22 @@ class _Decoder:
             if nbytes == 0:
                 out = torch.empty(shape, dtype=dtype)
             else:
-                # frombuffer aliases the buffer; clone() is the one copy that detaches the result from it.
-                out = torch.frombuffer(self._bytes(offset, nbytes), dtype=dtype).clone()
+                lent = self._lent(offset, nbytes)
+                if lent is not None:
+                    out = torch.frombuffer(lent, dtype=dtype)  # the tensor holds the view: the range stays lent
+                else:  # frombuffer aliases the buffer; clone() is the one copy that detaches the result from it
+                    out = torch.frombuffer(self._bytes(offset, nbytes), dtype=dtype).clone()
                 if len(shape) != 1:
                     out = out.view(shape)
             return out.requires_grad_() if requires_grad else out
         if tag == _ARRAY:
             _, dtype, shape, offset, nbytes = node
-            arr = np.frombuffer(self._bytes(offset, nbytes), dtype=dtype).copy()
+            lent = self._lent(offset, nbytes)
+            if lent is not None:
+                # Through a tensor, which holds the view as long as the array lives (np.frombuffer would not).
+                arr = torch.frombuffer(lent, dtype=torch.uint8).numpy().view(dtype)
+            else:
+                arr = np.frombuffer(self._bytes(offset, nbytes), dtype=dtype).copy()
             return arr if len(shape) == 1 else arr.reshape(shape)
         if tag == _LIST:
             return [self.walk(x) for x in node[1]]
@@ -175,11 +214,14 @@ class _Decoder:
         return node[1](*(self.walk(x) for x in node[2]))  # _NAMED
 
 
-def decode(buf: memoryview) -> Any:
-    """Rebuild a sample from a range written by :meth:`Encoded.write_into`; the result owns its memory.
+def decode(buf: memoryview, borrow: Borrow | None = None) -> Any:
+    """Rebuild a sample from a range written by :meth:`Encoded.write_into`; the result never aliases ``buf``.
 
     Args:
         buf: the encoded range (at least as long as the sample's ``nbytes``).
+        borrow: called with ``(offset, nbytes)`` of each tensor or array buffer of :data:`LENDABLE` bytes or
+            more; a view it returns becomes that tensor's or array's memory instead of a copy, so it must be
+            private to the caller (a copy-on-write mapping). ``None`` (the default) copies everything.
 
     Returns:
         A sample equal to the encoded one, with the same container types, dtypes and shapes.
@@ -197,9 +239,8 @@ def decode(buf: memoryview) -> Any:
 
     .. versionadded:: 0.1.0
     """
-    magic, length = _PREFIX.unpack_from(buf, 0)
+    magic, length, base = _PREFIX.unpack_from(buf, 0)
     if magic != _MAGIC:
         raise ValueError("not an encoded sample")
-    head_end = _PREFIX.size + length
-    skeleton = pickle.loads(buf[_PREFIX.size : head_end])
-    return _Decoder(buf, _aligned(head_end)).walk(skeleton)
+    skeleton = pickle.loads(buf[_PREFIX.size : _PREFIX.size + length])
+    return _Decoder(buf, base, borrow).walk(skeleton)

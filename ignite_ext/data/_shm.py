@@ -33,6 +33,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from ignite_ext.data._cow import PAGE, CowMap
 from ignite_ext.data._proc import pid_alive
 
 __all__ = [
@@ -86,8 +87,8 @@ class ShmSpaceError(RuntimeError):
     """
 
 
-def _aligned(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+def _aligned(n: int, align: int = _ALIGN) -> int:
+    return (n + align - 1) // align * align
 
 
 def available_bytes(directory: str = SHM_DIR) -> int:
@@ -229,6 +230,8 @@ class _Local:
     claimed: dict[int, int]  # row -> this process's counter slot in that row
     # flock excludes other processes only: threads of this process share its descriptor, so they take this first.
     thread_lock: threading.Lock
+    cow: CowMap | None = None  # the copy-on-write mapping that lends large buffers, once opened
+    cow_opened: bool = False
 
 
 #: Where a process that has the files open can be reached: (pid, arena fd, arena inode, lock fd, lock inode).
@@ -286,6 +289,8 @@ def _open_local(
 
 
 def _close_local(local: _Local) -> None:
+    if local.cow is not None:
+        local.cow.close()
     for view in (local.header, local.table, local.stats, local.data):
         view.release()
     with contextlib.suppress(BufferError):  # a caller still holds a view: the mapping goes with the process
@@ -357,7 +362,7 @@ class Arena:
         sweep_stale(directory)
         table_off = _HEADER_BYTES
         stats_off = _aligned(table_off + n * _ENTRY_WORDS * 8)
-        data_off = _aligned(stats_off + rows * _SLOTS_PER_ROW * _SLOT_WORDS * 8)
+        data_off = _aligned(stats_off + rows * _SLOTS_PER_ROW * _SLOT_WORDS * 8, PAGE)  # see borrow()
         free = available_bytes(directory)
         if capacity is None:
             # Arenas fill lazily: what live caches may still claim is not free for a new default.
@@ -470,15 +475,18 @@ class Arena:
         offset, length = local.table[base + 1], local.table[base + 2]
         return local.data[offset : offset + length]
 
-    def reserve(self, index: int, nbytes: int) -> int | None:
-        """Hand out ``nbytes`` of the data area for ``index``; ``None`` if it is already published or no room."""
+    def reserve(self, index: int, nbytes: int, align: int = _ALIGN) -> int | None:
+        """Hand out ``nbytes`` of the data area for ``index``; ``None`` if it is already published or no room.
+
+        The range starts at a multiple of ``align`` and the next range starts after its size rounded up to one.
+        """
         local = self._mapped()
         header = local.header
-        size = _aligned(nbytes)
+        size = _aligned(nbytes, align)
         if local.table[index * _ENTRY_WORDS] != _EMPTY or header[_H_USED] + size > header[_H_CAPACITY]:
             return None  # checked without the lock first, so a full cache costs no lock per miss
         with self._locked(local):
-            offset = header[_H_USED]
+            offset = _aligned(header[_H_USED], align)
             if local.table[index * _ENTRY_WORDS] != _EMPTY or offset + size > header[_H_CAPACITY]:
                 return None
             try:
@@ -489,6 +497,25 @@ class Arena:
                 return None
             header[_H_USED] = offset + size
         return int(offset)
+
+    def borrow(self, index: int, start: int, nbytes: int) -> memoryview | None:
+        """A private, copy-on-write view of bytes ``start:start + nbytes`` of the published entry of ``index``.
+
+        Writing to the view (or to a tensor built on it) copies the pages written, for this process only: the
+        arena is never changed. ``None`` when the range is not page-aligned in the arena, is lent already (a
+        tensor built on an earlier view of it is still alive in this process), or this kernel does not report
+        the page flags this needs; then the caller copies. The range's last page must belong to it alone (the
+        codec pads page-aligned buffers to a page).
+        """
+        local = self._mapped()
+        if not local.cow_opened:
+            with local.thread_lock:
+                if not local.cow_opened:
+                    local.cow = CowMap.open(local.arena_fd)
+                    local.cow_opened = True
+        if local.cow is None or local.table[index * _ENTRY_WORDS] != _READY:
+            return None
+        return local.cow.lend(local.header[_H_DATA] + local.table[index * _ENTRY_WORDS + 1] + start, nbytes)
 
     def data_view(self, offset: int, nbytes: int) -> memoryview:
         """A writable view of a reserved range."""

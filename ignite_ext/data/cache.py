@@ -10,6 +10,7 @@ back from there. See the cache guide for the guarantees, the memory model and th
 
 from __future__ import annotations
 
+import functools
 import operator
 import os
 import warnings
@@ -160,7 +161,7 @@ class CachedDataset(Dataset[Any]):
         arena = self._arena
         raw = arena.lookup(i)
         if raw is not None:
-            sample = decode(raw)
+            sample = decode(raw, functools.partial(arena.borrow, i))
             arena.count(self._row, self._count_slot(), hits=1)
             return sample
         sample = self.dataset[i]
@@ -170,7 +171,7 @@ class CachedDataset(Dataset[Any]):
             warnings.warn(f"sample {i} cannot be cached and is served uncached: {exc!r}", RuntimeWarning, stacklevel=2)
             arena.count(self._row, self._count_slot(), misses=1)
             return sample
-        offset = arena.reserve(i, enc.nbytes)
+        offset = arena.reserve(i, enc.nbytes, enc.align)
         published = False
         if offset is not None:
             enc.write_into(arena.data_view(offset, enc.nbytes))

@@ -13,7 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ignite_ext.data._codec import ALIGN, decode, encode
+from ignite_ext.data._codec import ALIGN, LENDABLE, decode, encode
+from ignite_ext.data._cow import PAGE
 
 Pair = namedtuple("Pair", "image label")
 
@@ -83,7 +84,7 @@ def test_roundtrip_keeps_values_types_dtypes_shapes(sample: Any) -> None:
 
 
 def test_tensors_and_arrays_are_raw_bytes_not_pickles() -> None:
-    x = torch.randn(256, 256)
+    x = torch.randn(128, 256)
     enc = encode(x)
     assert enc.nbytes - x.numel() * 4 <= 2 * ALIGN  # a header of at most two cache lines
     assert len(enc.head) < len(pickle.dumps(torch.zeros(1)))
@@ -103,6 +104,44 @@ def test_decoded_tensor_owns_its_memory() -> None:
 def test_raw_buffers_are_aligned() -> None:
     enc = encode([torch.ones(3), np.ones(5), torch.ones(7)])
     assert all(offset % ALIGN == 0 for offset, _ in enc.raws)
+
+
+def test_lendable_buffers_own_their_pages_and_small_ones_stay_packed() -> None:
+    big = LENDABLE // 4 + 3  # float32 elements: a buffer just over the threshold, not a whole number of pages
+    enc = encode([torch.ones(3), torch.ones(big), np.ones(5), np.ones(big, dtype=np.float32), torch.ones(2)])
+    assert enc.align == PAGE  # the range must be written at a page boundary
+    (o_small, r_small), (o_big, r_big), (o_a, _), (o_abig, r_abig), (o_last, _) = enc.raws
+    assert o_big % PAGE == 0 and o_abig % PAGE == 0
+    # Nothing else starts before the next page boundary after a lendable buffer, nor in a page before it.
+    assert o_a >= o_big + r_big.nbytes and o_a % PAGE == 0
+    assert o_last >= o_abig + r_abig.nbytes and o_last % PAGE == 0
+    assert o_small + r_small.nbytes <= o_big
+    assert enc.nbytes <= 2 * big * 4 + 6 * PAGE  # padding: under a page per boundary
+    assert encode([torch.ones(3), np.ones(5)]).align == ALIGN  # no padding without a lendable buffer
+
+
+def test_decode_lends_large_buffers_only_and_falls_back_to_copies() -> None:
+    big = torch.arange(LENDABLE // 8, dtype=torch.float64)
+    sample = {"small": torch.ones(4), "big": big, "arr": big.numpy().reshape(-1, 8) + 1}
+    enc = encode(sample)
+    buf = bytearray(enc.nbytes)
+    enc.write_into(memoryview(buf))
+    private = bytearray(buf)  # stands for the private mapping a borrow callback lends from
+    asked: list[tuple[int, int]] = []
+
+    def borrow(offset: int, nbytes: int) -> memoryview:
+        asked.append((offset, nbytes))
+        return memoryview(private)[offset : offset + nbytes]
+
+    out = decode(memoryview(buf), borrow)
+    assert asked == [(o, r.nbytes) for o, r in enc.raws if r.nbytes >= LENDABLE]
+    assert_same(sample, out)
+    out["big"][0] = -1.0
+    out["arr"][0, 0] = -1.0
+    assert private != buf and decode(memoryview(buf))["big"][0] == 0.0  # writes went to the lent memory
+    again = decode(memoryview(buf), lambda offset, nbytes: None)  # nothing lent: copies
+    assert_same(sample, again)
+    assert again["arr"].flags.writeable and again["arr"].flags.c_contiguous
 
 
 def test_rejects_a_range_that_was_never_written() -> None:

@@ -1,0 +1,180 @@
+"""Large tensors and arrays come back from the cache as copy-on-write views: no copy, and still safe to modify."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from ignite_ext.data import CachedDataset
+from ignite_ext.data import _cow as cow
+from ignite_ext.data._codec import LENDABLE
+from ignite_ext.data._cow import PAGE, CowMap
+from ignite_ext.data._shm import Arena
+
+BIG = LENDABLE // 4  # float32 elements of a lendable tensor
+
+
+def lent(t: torch.Tensor, ds: CachedDataset) -> bool:
+    """Whether ``t``'s memory lies in a private (copy-on-write) mapping of ``ds``'s shared-memory file."""
+    address = t.data_ptr()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            span, perms, *_, path = line.split()
+            start, end = (int(a, 16) for a in span.split("-"))
+            if path == ds.segment and "p" in perms and start <= address < end:
+                return True
+    return False
+
+
+class BigSamples(Dataset[dict[str, Any]]):
+    """Sample ``i``: a lendable float32 tensor and float64 array filled with ``i``, and a small label tensor."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"x": torch.full((BIG,), float(i)), "a": np.full(BIG // 2, float(i)), "i": torch.tensor(i)}
+
+
+class AugmentInPlace(Dataset[dict[str, Any]]):
+    """Modifies every sample it reads in place, as an in-place augmentation would, and reports whether it was lent."""
+
+    def __init__(self, ds: CachedDataset) -> None:
+        self.ds = ds
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        s = self.ds[i]
+        s["lent"] = lent(s["x"], self.ds) and lent(torch.from_numpy(s["a"]), self.ds)
+        s["x"].add_(1000.0)
+        s["a"] *= -1.0
+        return s
+
+
+@pytest.fixture
+def shm_file() -> Any:
+    fd, path = tempfile.mkstemp(dir="/dev/shm", prefix="ignite_ext_test_cow_")
+    os.write(fd, bytes(range(256)) * (4 * PAGE // 256))
+    yield fd
+    os.close(fd)
+    os.unlink(path)
+
+
+def test_a_lent_range_is_private_lent_once_and_clean_when_lent_again(shm_file: int) -> None:
+    m = CowMap.open(shm_file)
+    assert m is not None
+    view = m.lend(PAGE, 2 * PAGE)
+    assert view is not None and bytes(view[:4]) == bytes(range(4))
+    view[:4] = b"\xff" * 4
+    view[PAGE : PAGE + 1] = b"\xff"
+    assert os.pread(shm_file, 4, PAGE) == bytes(range(4))  # the file never sees a private write
+    assert m.lend(PAGE, 2 * PAGE) is None  # still lent
+    other = m.lend(3 * PAGE, PAGE)  # another range is independent
+    assert other is not None and bytes(other[:2]) == bytes(range(2))
+    del view
+    again = m.lend(PAGE, 2 * PAGE)
+    assert again is not None and bytes(again[:4]) == bytes(range(4)) and again[PAGE] == 0
+    del again, other
+    m.close()
+
+
+def test_unaligned_or_out_of_range_requests_are_not_lent(shm_file: int) -> None:
+    m = CowMap.open(shm_file)
+    assert m is not None
+    assert m.lend(PAGE + 64, PAGE) is None
+    assert m.lend(3 * PAGE, 2 * PAGE) is None
+    assert m.lend(0, 0) is None
+    m.close()
+
+
+def test_without_page_flags_nothing_is_lent(shm_file: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cow, "_PAGEMAP", "/nonexistent/pagemap")
+    assert CowMap.open(shm_file) is None
+    ds = CachedDataset(BigSamples(), capacity_bytes=16 << 20)
+    ds[1]
+    hit = ds[1]
+    assert not lent(hit["x"], ds) and hit["x"][0] == 1.0  # copied instead
+    hit["x"].add_(1.0)
+    assert ds[1]["x"][0] == 1.0
+    ds.close()
+
+
+def test_page_aligned_reservations_own_their_pages() -> None:
+    arena = Arena.create(n=3, capacity=1 << 20)
+    local = arena._mapped()
+    data_start = local.header[6]  # _H_DATA
+    first = arena.reserve(0, 100)
+    second = arena.reserve(1, PAGE + 1, PAGE)
+    third = arena.reserve(2, 100)
+    assert first is not None and second is not None and third is not None
+    assert (data_start + second) % PAGE == 0
+    assert third >= second + 2 * PAGE  # the second range's last page is its own
+    arena.close()
+
+
+def test_large_samples_are_lent_and_two_live_reads_are_independent() -> None:
+    ds = CachedDataset(BigSamples(), capacity_bytes=16 << 20)
+    ds[3]
+    a, b = ds[3], ds[3]
+    assert lent(a["x"], ds) and not lent(b["x"], ds)  # a second live read of the same sample gets a copy
+    assert lent(torch.from_numpy(a["a"]), ds) and a["a"].flags.writeable
+    assert not lent(a["i"], ds)  # small tensors are always copied
+    a["x"].fill_(7.0)
+    a["a"][:] = 7.0
+    assert b["x"][0] == 3.0 and b["a"][0] == 3.0
+    c = ds[3]
+    assert c["x"].eq(3.0).all() and (c["a"] == 3.0).all()
+    del a, c
+    d = ds[3]  # lent again: the pages written through `a` were dropped
+    assert lent(d["x"], ds) and d["x"].eq(3.0).all() and (d["a"] == 3.0).all()
+    assert ds.stats().hits == 4
+    ds.close()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_in_place_augmentation_in_workers_never_reaches_later_epochs(context: str) -> None:
+    ds = CachedDataset(BigSamples(), capacity_bytes=16 << 20)
+    dl = DataLoader(
+        AugmentInPlace(ds),
+        batch_size=3,
+        shuffle=True,
+        num_workers=2,
+        multiprocessing_context=context,
+        persistent_workers=True,  # the same processes read every index again, after having modified it
+    )
+    for e in range(3):
+        seen = []
+        for batch in dl:
+            i = batch["i"].double()
+            assert torch.equal(batch["x"][:, 0].double(), i + 1000.0)
+            assert torch.equal(batch["x"][:, -1], batch["x"][:, 0])
+            assert torch.equal(batch["a"][:, 0], -i) and torch.equal(batch["a"][:, -1], -i)
+            assert batch["lent"].all() if e > 0 else not batch["lent"].any()  # epoch 0 loads: the originals
+            seen += batch["i"].tolist()
+        assert sorted(seen) == list(range(len(ds)))
+    assert ds.stats().hits == 2 * len(ds)
+    del dl
+    ds.close()
+
+
+@pytest.mark.distributed
+def test_lent_tensors_cross_to_the_main_process_intact() -> None:
+    ds = CachedDataset(BigSamples(), capacity_bytes=16 << 20)
+    dl = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork", persistent_workers=True)
+    for _ in range(3):
+        for s in dl:  # unbatched: each sample is sent to this process as it is
+            i = float(s["i"])
+            assert s["x"].eq(i).all() and (s["a"] == i).all()
+            s["x"].zero_()
+    assert ds.stats().hits == 2 * len(ds)
+    del dl
+    ds.close()
