@@ -191,8 +191,8 @@ class _Decoder:
                 lent = self._lent(offset, nbytes)
                 if lent is not None:
                     out = torch.frombuffer(lent, dtype=dtype)  # the tensor holds the view: the range stays lent
-                else:  # frombuffer aliases the buffer; clone() is the one copy that detaches the result from it
-                    out = torch.frombuffer(self._bytes(offset, nbytes), dtype=dtype).clone()
+                else:  # one copy, into memory the tensor owns (a bytearray copies faster than Tensor.clone)
+                    out = torch.frombuffer(bytearray(self._bytes(offset, nbytes)), dtype=dtype)
                 if len(shape) != 1:
                     out = out.view(shape)
             return out.requires_grad_() if requires_grad else out

@@ -34,6 +34,9 @@ __all__ = ["PAGE", "CowMap"]
 PAGE = mmap.PAGESIZE
 
 _PAGEMAP = "/proc/self/pagemap"
+# The mapping spans the whole cache, but only the pages a reader writes take memory of their own: do not have the
+# kernel reserve (commit) memory for all of it. Linux's value; the mmap module names it from Python 3.13 on.
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
 # The top byte of a pagemap entry: bit 7 page present, bit 6 swapped, bit 5 file page (or shared anonymous).
 _PRESENT, _SWAPPED, _FILE = 0x80, 0x40, 0x20
 # Values of that byte for a page still equal to the file: not mapped yet, or mapping the file's page.
@@ -85,7 +88,7 @@ class CowMap:
             size = os.fstat(fd).st_size
             if size < PAGE:
                 return None
-            mm = mmap.mmap(fd, size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
+            mm = mmap.mmap(fd, size, mmap.MAP_PRIVATE | _MAP_NORESERVE, mmap.PROT_READ | mmap.PROT_WRITE)
         except (OSError, ValueError):
             return None
         try:

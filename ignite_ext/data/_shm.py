@@ -5,6 +5,9 @@ however many processes map it. It holds::
 
     header (4 KiB) | index table: n x (state, offset, length) | counters | data (bump-allocated, 64-byte aligned)
 
+The data area starts on a page boundary and a range may be reserved page-aligned, so that the buffers the codec
+gives pages of their own can be lent copy-on-write (:meth:`Arena.borrow`).
+
 *Publish when complete*: a writer reserves a range (under the lock), copies the sample into it (no lock) and then,
 under the lock again, writes offset and length and flips the entry's state to READY last. Readers never lock: an
 entry they see READY is complete and never changes again (nothing is evicted). A writer killed before it publishes
@@ -161,6 +164,17 @@ def sweep_stale(directory: str = SHM_DIR) -> list[str]:
         elif not os.path.exists(path[: -len(".lock")] + ".arena"):
             removed += _unlink([path])
     return removed
+
+
+@contextlib.contextmanager
+def _directory_lock(directory: str) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``directory`` itself (no lock file to leave behind; released if we die)."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _unused(path: str) -> bool:
@@ -339,7 +353,9 @@ class Arena:
         self._finalizer: weakref.finalize[Any, Any] | None = None
 
     @classmethod
-    def create(cls, n: int, capacity: int | None = None, rows: int = 1, directory: str = SHM_DIR) -> Arena:
+    def create(
+        cls, n: int, capacity: int | None = None, rows: int = 1, directory: str = SHM_DIR, share: int = 1
+    ) -> Arena:
         """Create an arena for ``n`` indices and ``capacity`` bytes of data; it is deleted when this process exits.
 
         Args:
@@ -347,6 +363,8 @@ class Arena:
             capacity: bytes of sample data; ``None`` takes :data:`DEFAULT_FRACTION` of the free space.
             rows: number of counter rows (one per rank sharing the arena).
             directory: the tmpfs to create it in.
+            share: with ``capacity=None``, the number of caches being created together that split the default
+                (the ranks of a node, each creating its own): each takes ``1/share`` of it.
 
         Raises:
             ShmSpaceError: the tmpfs lacks room for the table plus ``capacity`` (or plus :data:`MIN_CAPACITY`
@@ -359,57 +377,58 @@ class Arena:
             raise ValueError(f"capacity_bytes must be positive, got {capacity}")
         if not os.path.isdir(directory):
             raise ShmSpaceError(f"{directory} does not exist: the cache needs a tmpfs for shared memory")
-        sweep_stale(directory)
-        table_off = _HEADER_BYTES
-        stats_off = _aligned(table_off + n * _ENTRY_WORDS * 8)
-        data_off = _aligned(stats_off + rows * _SLOTS_PER_ROW * _SLOT_WORDS * 8, PAGE)  # see borrow()
-        free = available_bytes(directory)
-        if capacity is None:
-            # Arenas fill lazily: what live caches may still claim is not free for a new default.
-            unclaimed = free - promised_bytes(directory)
-            capacity = int((unclaimed - data_off) * DEFAULT_FRACTION) // _ALIGN * _ALIGN
-            if capacity < MIN_CAPACITY:
+        with _directory_lock(directory):  # concurrent creators must see each other's claims
+            sweep_stale(directory)
+            table_off = _HEADER_BYTES
+            stats_off = _aligned(table_off + n * _ENTRY_WORDS * 8)
+            data_off = _aligned(stats_off + rows * _SLOTS_PER_ROW * _SLOT_WORDS * 8, PAGE)  # see borrow()
+            free = available_bytes(directory)
+            if capacity is None:
+                # Arenas fill lazily: what live caches may still claim is not free for a new default.
+                unclaimed = free - promised_bytes(directory)
+                capacity = int((unclaimed - data_off) * DEFAULT_FRACTION / max(1, share)) // _ALIGN * _ALIGN
+                if capacity < MIN_CAPACITY:
+                    raise ShmSpaceError(
+                        f"{directory} has {free} bytes free, {unclaimed} of them not promised to other caches; a cache "
+                        f"of {n} samples needs {data_off} bytes for its index plus at least {MIN_CAPACITY} for data. "
+                        "Enlarge it (e.g. docker run --shm-size=8g) or pass capacity_bytes."
+                    )
+            elif data_off + capacity > free:
                 raise ShmSpaceError(
-                    f"{directory} has {free} bytes free, {unclaimed} of them not promised to other caches; a cache "
-                    f"of {n} samples needs {data_off} bytes for its index plus at least {MIN_CAPACITY} for data. "
-                    "Enlarge it (e.g. docker run --shm-size=8g) or pass capacity_bytes."
+                    f"capacity_bytes={capacity} plus {data_off} bytes of index exceed the {free} bytes free in "
+                    f"{directory}; lower capacity_bytes or enlarge {directory}"
                 )
-        elif data_off + capacity > free:
-            raise ShmSpaceError(
-                f"capacity_bytes={capacity} plus {data_off} bytes of index exceed the {free} bytes free in "
-                f"{directory}; lower capacity_bytes or enlarge {directory}"
-            )
-        stem = os.path.join(directory, f"ignite_ext_{os.getpid()}_cache_{secrets.token_hex(8)}")
-        path = stem + ".arena"
-        os.close(os.open(stem + ".lock", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
-        arena_fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        liveness_fd = os.open(path, os.O_RDONLY)
-        fcntl.flock(liveness_fd, fcntl.LOCK_SH)
-        self = cls(path)
-        self._finalizer = weakref.finalize(self, _finalize, path, os.getpid(), liveness_fd)
-        try:
-            os.ftruncate(arena_fd, data_off + capacity)  # sparse: data pages are allocated as samples arrive
-            os.posix_fallocate(arena_fd, 0, data_off)
-            mm = mmap.mmap(arena_fd, 0, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            header = memoryview(mm)[:_HEADER_BYTES].cast("Q")
-            for word, value in (
-                (_H_N, n),
-                (_H_CAPACITY, capacity),
-                (_H_TABLE, table_off),
-                (_H_STATS, stats_off),
-                (_H_DATA, data_off),
-                (_H_ROWS, rows),
-                (_H_VERSION, _VERSION),
-                (_H_MAGIC, _MAGIC),  # last: an attacher checks it
-            ):
-                header[word] = value
-            header.release()
-            self._local = _open_local(path, arena_fd=arena_fd, mm=mm)
-        except BaseException:
-            if self._local is None:
-                os.close(arena_fd)
-            self._finalizer()
-            raise
+            stem = os.path.join(directory, f"ignite_ext_{os.getpid()}_cache_{secrets.token_hex(8)}")
+            path = stem + ".arena"
+            os.close(os.open(stem + ".lock", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
+            arena_fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            liveness_fd = os.open(path, os.O_RDONLY)
+            fcntl.flock(liveness_fd, fcntl.LOCK_SH)
+            self = cls(path)
+            self._finalizer = weakref.finalize(self, _finalize, path, os.getpid(), liveness_fd)
+            try:
+                os.ftruncate(arena_fd, data_off + capacity)  # sparse: data pages are allocated as samples arrive
+                os.posix_fallocate(arena_fd, 0, data_off)
+                mm = mmap.mmap(arena_fd, 0, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                header = memoryview(mm)[:_HEADER_BYTES].cast("Q")
+                for word, value in (
+                    (_H_N, n),
+                    (_H_CAPACITY, capacity),
+                    (_H_TABLE, table_off),
+                    (_H_STATS, stats_off),
+                    (_H_DATA, data_off),
+                    (_H_ROWS, rows),
+                    (_H_VERSION, _VERSION),
+                    (_H_MAGIC, _MAGIC),  # last: an attacher checks it
+                ):
+                    header[word] = value
+                header.release()
+                self._local = _open_local(path, arena_fd=arena_fd, mm=mm)
+            except BaseException:
+                if self._local is None:
+                    os.close(arena_fd)
+                self._finalizer()
+                raise
         return self
 
     @classmethod

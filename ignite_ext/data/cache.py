@@ -2,8 +2,9 @@
 
 :class:`CachedDataset` wraps any map-style dataset. The first read of an index loads it from the wrapped dataset and
 stores it, serialised compactly, in a shared-memory arena (:mod:`ignite_ext.data._shm`); every later read of that
-index by any DataLoader worker of the rank (``scope="rank"``) or by any rank of the node (``scope="node"``) copies it
-back from there. See the cache guide for the guarantees, the memory model and the sampler pairings.
+index by any DataLoader worker of the rank (``scope="rank"``) or by any rank of the node (``scope="node"``) is
+served from there: small tensors and arrays are copied out, large ones lent as private copy-on-write views
+(:mod:`ignite_ext.data._cow`). See the cache guide for the guarantees, the memory model and the sampler pairings.
 
 .. versionadded:: 0.1.0
 """
@@ -83,9 +84,10 @@ class CachedDataset(Dataset[Any]):
     The cache is created in the constructing process (a rank's main process) and reaches DataLoader workers by
     pickling (only its shared-memory name travels; workers map it on first use), so it works with the ``fork``
     and ``spawn`` start methods and with or without ``persistent_workers``. Samples are stored as a small header
-    plus the raw bytes of their tensors and arrays, and every read returns fresh copies: modifying a sample never
-    changes the cache. Nothing is evicted: once the cache is full, samples not in it are loaded from ``dataset``
-    each time they are read (and counted as misses).
+    plus the raw bytes of their tensors and arrays. Every read returns tensors and arrays of its own (copies under
+    256 KiB, private copy-on-write views of the cache from 256 KiB up, which cost no copy unless written to):
+    modifying a sample never changes the cache, nor what a later read gets. Nothing is evicted: once the cache is
+    full, samples not in it are loaded from ``dataset`` each time they are read (and counted as misses).
 
     Args:
         dataset: a map-style dataset (``len()`` and integer indexing).
@@ -94,7 +96,8 @@ class CachedDataset(Dataset[Any]):
             construct it (collectively, through :mod:`ignite.distributed`), over the same dataset, and the
             node's local rank 0 creates it (with its own ``capacity_bytes``).
         capacity_bytes: bytes of sample data the cache may hold. ``None``: half of the free space of
-            ``/dev/shm`` at construction, less what live caches may still claim.
+            ``/dev/shm`` at construction, less what live caches may still claim; with ``scope="rank"`` in a
+            distributed job, that half is split evenly between the ranks of the node.
 
     Raises:
         ValueError: ``scope`` is unknown, ``capacity_bytes`` is not positive, or (node scope) the ranks of a node
@@ -124,7 +127,9 @@ class CachedDataset(Dataset[Any]):
         if scope == "node" and idist.get_world_size() > 1:
             self._arena, self._row = _node_arena(self._len, capacity_bytes), idist.get_local_rank()
         else:
-            self._arena, self._row = Arena.create(self._len, capacity_bytes), 0
+            # Every rank of the node creates one at the same time: they split the default capacity evenly.
+            peers = idist.get_nproc_per_node() if idist.get_world_size() > 1 else 1
+            self._arena, self._row = Arena.create(self._len, capacity_bytes, share=peers), 0
         self._slot: tuple[int, int] | None = None
 
     def __getstate__(self) -> dict[str, Any]:

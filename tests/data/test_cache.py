@@ -384,6 +384,81 @@ def test_default_capacity_leaves_room_promised_to_live_caches() -> None:
         os.rmdir(directory)
 
 
+def _create_default(directory: str, share: int, start: Any, done: Any, out: Any) -> None:
+    start.wait(timeout=30)
+    try:
+        arena = Arena.create(1, directory=directory, share=share)
+        out.put(arena.capacity)
+    except ShmSpaceError as exc:
+        out.put(str(exc))
+        arena = None
+    done.wait(timeout=30)  # keep the arena (and its claim) alive until every creator has reported
+
+
+@pytest.mark.distributed
+def test_concurrent_default_caches_see_each_others_claims() -> None:
+    # Ranks of a node create their caches at the same moment; each default must count the others' claims.
+    ctx = mp.get_context("fork")
+    directory = tempfile.mkdtemp(dir=shm.SHM_DIR)
+    free = shm.available_bytes(directory)
+    start, done, out = ctx.Barrier(6), ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_create_default, args=(directory, 1, start, done, out)) for _ in range(5)]
+    try:
+        for p in procs:
+            p.start()
+        start.wait(timeout=30)
+        results = [out.get(timeout=60) for _ in procs]
+        done.set()
+        assert all(isinstance(r, int) for r in results), results
+        # One after the other: half, a quarter, ... of what is left; never more than there is.
+        assert sum(results) < shm.DEFAULT_FRACTION * free * 2
+        assert sorted(results, reverse=True)[0] > 1.9 * sorted(results, reverse=True)[1]
+    finally:
+        done.set()
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        shm.sweep_stale(directory)
+        os.rmdir(directory)
+
+
+def test_creation_waits_while_another_process_sizes_its_cache() -> None:
+    directory = tempfile.mkdtemp(dir=shm.SHM_DIR)
+    ctx = mp.get_context("fork")
+    start, done, out = ctx.Barrier(2), ctx.Event(), ctx.Queue()
+    p = ctx.Process(target=_create_default, args=(directory, 1, start, done, out))
+    try:
+        p.start()  # before taking the lock: a child forked while it is held would hold it too
+        with shm._directory_lock(directory):
+            start.wait(timeout=30)
+            time.sleep(0.5)
+            assert out.empty() and not os.listdir(directory)  # blocked on the lock
+        assert isinstance(out.get(timeout=30), int)
+    finally:
+        done.set()
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+            p.join()
+        shm.sweep_stale(directory)
+        os.rmdir(directory)
+
+
+def test_ranks_of_a_node_split_the_default_capacity() -> None:
+    directory = tempfile.mkdtemp(dir=shm.SHM_DIR)
+    try:
+        whole = Arena.create(1, directory=directory)
+        whole_capacity = whole.capacity
+        whole.close()
+        quarter = Arena.create(1, directory=directory, share=4)
+        assert quarter.capacity == pytest.approx(whole_capacity / 4, rel=0.01)
+        quarter.close()
+    finally:
+        os.rmdir(directory)
+
+
 @pytest.mark.distributed
 def test_readers_reach_a_cache_whose_creator_already_deleted_it() -> None:
     # A node cache's creating rank may exit (and delete the files) while another rank still starts workers.
