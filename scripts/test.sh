@@ -2,6 +2,7 @@
 # The whole test suite: sets up .venv, then lint, types, tests (with docstring examples) and the docs build.
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 echo "[test] ruff";   ruff check ignite_ext tests benchmarks examples docs/conf.py setup.py
+ruff format --check ignite_ext tests benchmarks examples docs/conf.py setup.py
 echo "[test] mypy";   mypy
 # Horovod for the backend matrix: installed from the wheel cache, or built once per torch version (minutes).
 # A failed build does not fail the suite: it is announced here and the Horovod tests skip, naming the failure.

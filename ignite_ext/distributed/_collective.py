@@ -12,6 +12,7 @@ from ignite_ext.distributed.policies import Comm
 
 __all__ = ["IdistComm", "all_gather_bytes", "all_gather_rows"]
 
+
 def all_gather_rows(row: list[int]) -> list[list[int]]:
     """Gather one small row of integers from every rank, in one collective.
 

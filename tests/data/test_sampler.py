@@ -134,9 +134,7 @@ def test_same_set_every_epoch_and_left_out_or_padding_rotates(
 
 @FAST
 @given(n=sizes, r=worlds, seed=seeds, epoch=epochs, drop_last=st.booleans())
-def test_no_shuffle_is_ascending_own_shard_then_padding(
-    n: int, r: int, seed: int, epoch: int, drop_last: bool
-) -> None:
+def test_no_shuffle_is_ascending_own_shard_then_padding(n: int, r: int, seed: int, epoch: int, drop_last: bool) -> None:
     for s in range(r):
         indices = shard_indices(n, r, s, seed=seed, epoch=epoch, drop_last=drop_last, shuffle=False)
         start, stop = shard_bounds(n, r, s)
@@ -554,4 +552,3 @@ def test_benchmark_contract_and_cache_claims() -> None:
     assert all(0 < r["torch_hit_pct"] < 75 for r in rows[1:])  # torch reshuffles across ranks
     assert rows[-1]["torch_cache_per_rank"] > 2_000 // 2
     assert {result["plot"]["x"], *result["plot"]["y"]} <= set(rows[0])
-

@@ -150,12 +150,23 @@ def _launch_nodes(node_local: Path, shared: Path, out: Path, private_tmpfs: bool
         )
         if private_tmpfs:
             # Each simulated node gets its own mount namespace with a private tmpfs at the *same* path.
-            cmd = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
-                   f"mount -t tmpfs -o size=16m tmpfs {node_local} && {torchrun}"]
+            cmd = [
+                "unshare",
+                "--mount",
+                "--propagation",
+                "private",
+                "--",
+                "sh",
+                "-c",
+                f"mount -t tmpfs -o size=16m tmpfs {node_local} && {torchrun}",
+            ]
         else:
             cmd = ["sh", "-c", torchrun]
-        procs.append(subprocess.Popen(cmd, env=env, start_new_session=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(
+            subprocess.Popen(
+                cmd, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
     deadline = time.monotonic() + 150
     try:
         for p in procs:
