@@ -172,7 +172,12 @@ def _directory_lock(directory: str) -> Iterator[None]:
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
+        try:
+            yield
+        finally:
+            # Explicitly: a process forked meanwhile (another thread's DataLoader) shares the descriptor's lock,
+            # and closing our descriptor alone would leave it held until that process exits.
+            fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
         os.close(fd)
 

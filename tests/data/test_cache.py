@@ -430,8 +430,8 @@ def test_creation_waits_while_another_process_sizes_its_cache() -> None:
     start, done, out = ctx.Barrier(2), ctx.Event(), ctx.Queue()
     p = ctx.Process(target=_create_default, args=(directory, 1, start, done, out))
     try:
-        p.start()  # before taking the lock: a child forked while it is held would hold it too
         with shm._directory_lock(directory):
+            p.start()  # forked while the lock is held: it shares the descriptor, yet must not keep the lock
             start.wait(timeout=30)
             time.sleep(0.5)
             assert out.empty() and not os.listdir(directory)  # blocked on the lock
