@@ -13,8 +13,10 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ignite_ext.data import CachedDataset, ShardedDistributedSampler
+from ignite_ext.data._codec import LENDABLE
 from tests._world import run_world, values
 from tests.data.test_cache import CountingDataset
+from tests.data.test_cache_cow import lent
 
 N, EPOCHS = 32, 3
 
@@ -23,7 +25,8 @@ def _train(base: CountingDataset, scope: str, sampler_kind: str) -> dict[str, An
     # Ranks are daemonic so that a stuck world is always reaped; DataLoader workers still need to be their
     # children (they exit by themselves when their rank does).
     mp.current_process().daemon = False
-    ds = CachedDataset(base, scope=scope, capacity_bytes=4 << 20)  # type: ignore[arg-type]
+    capacity = max(4 << 20, N * (4 * base.size + 8192))
+    ds = CachedDataset(base, scope=scope, capacity_bytes=capacity)  # type: ignore[arg-type]
     sampler: DistributedSampler[int]
     if sampler_kind == "torch":
         sampler = DistributedSampler(ds, shuffle=True, seed=0)
@@ -40,6 +43,10 @@ def _train(base: CountingDataset, scope: str, sampler_kind: str) -> dict[str, An
         now = ds.stats()
         rates.append((now - prev).hit_rate)
         prev = now
+    sample = ds[min(seen)]  # in the cache by now: a large one is lent from it (an attached rank's mapping too)
+    lent_here = lent(sample["x"], ds)
+    del sample
+    prev = ds.stats()
     world, node = ds.stats(reduce="world"), ds.stats(reduce="node")
     try:
         ds.stats(reduce="host")  # type: ignore[arg-type]
@@ -66,21 +73,23 @@ def _train(base: CountingDataset, scope: str, sampler_kind: str) -> dict[str, An
         "rejected": rejected,
         "kept": kept,
         "gone": not os.path.exists(segment),
+        "lent": lent_here,
     }
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    ("scope", "sampler_kind", "nproc_per_node"),
+    ("scope", "sampler_kind", "nproc_per_node", "size"),
     [
-        ("node", "torch", 4),  # one node: every rank's epoch-0 loads serve all ranks afterwards
-        ("node", "torch", 2),  # two nodes: a node only has what its own ranks loaded
-        ("node", "node", 2),  # ShardedDistributedSampler(shard_by="node") pairs with node scope
-        ("rank", "rank", 4),  # ShardedDistributedSampler(shard_by="rank") pairs with rank scope
+        ("node", "torch", 4, 256),  # one node: every rank's epoch-0 loads serve all ranks afterwards
+        ("node", "torch", 4, LENDABLE // 4),  # the same with samples large enough to be lent copy-on-write
+        ("node", "torch", 2, 256),  # two nodes: a node only has what its own ranks loaded
+        ("node", "node", 2, 256),  # ShardedDistributedSampler(shard_by="node") pairs with node scope
+        ("rank", "rank", 4, 256),  # ShardedDistributedSampler(shard_by="rank") pairs with rank scope
     ],
 )
-def test_caches_across_ranks(scope: str, sampler_kind: str, nproc_per_node: int) -> None:
-    base = CountingDataset(N, context="forkserver")
+def test_caches_across_ranks(scope: str, sampler_kind: str, nproc_per_node: int, size: int) -> None:
+    base = CountingDataset(N, size=size, context="forkserver")
     out = values(run_world(_train, 4, nproc_per_node=nproc_per_node, args=(base, scope, sampler_kind), deadline=120))
     loads = base.loads()
     nodes = 4 // nproc_per_node
@@ -88,6 +97,7 @@ def test_caches_across_ranks(scope: str, sampler_kind: str, nproc_per_node: int)
     assert len(segments) == (nodes if scope == "node" else 4)
     for r in out:
         assert r["rejected"] and r["gone"]
+        assert r["lent"] == (4 * size >= LENDABLE)
         if scope == "node":
             assert r["segment"] == out[r["node"] * nproc_per_node]["segment"]  # one per node
             assert r["kept"]
@@ -95,7 +105,7 @@ def test_caches_across_ranks(scope: str, sampler_kind: str, nproc_per_node: int)
     assert all(r["world"] == world for r in out)
     assert tuple(map(sum, zip(*(r["own"] for r in out), strict=True))) == world
     hits, misses, entries, _ = world
-    assert hits + misses == N * EPOCHS
+    assert hits + misses == N * EPOCHS + 4  # each rank's extra read of one sample
     assert entries == misses == sum(loads)  # every load was published once, none was lost
     if sampler_kind == "torch" and nodes == 1:
         assert loads == [1] * N
