@@ -199,8 +199,10 @@ class CachedDataset(Dataset[Any]):
                 ``scope="node"`` the node sum of ``entries``/``bytes`` is what the node's cache holds.
 
         Raises:
-            ValueError: ``reduce`` is not one of ``"rank"``, ``"node"``, ``"world"`` (raised on every rank before
-                any communication, so no rank is left waiting).
+            ValueError: ``reduce`` is not one of ``"rank"``, ``"node"``, ``"world"``, or the ranks that reduce
+                passed different values. In a distributed job an invalid or mismatched value still takes part in
+                the collective, and then every rank raises, so none is left waiting. (A rank that passes
+                ``"rank"`` does not communicate: if the others reduce, they wait for it.)
 
         Examples:
             >>> from ignite_ext.data import CachedDataset
@@ -213,19 +215,27 @@ class CachedDataset(Dataset[Any]):
 
         .. versionadded:: 0.1.0
         """
-        if reduce not in _REDUCTIONS:
-            raise ValueError(f"reduce must be one of {_REDUCTIONS}, got {reduce!r}")
         own = self._arena.totals(self._row)
-        if reduce == "rank" or idist.get_world_size() == 1:
+        distributed = idist.get_world_size() > 1
+        if reduce == "rank" or (reduce in _REDUCTIONS and not distributed):
             return CacheStats(*own)
+        if not distributed:
+            raise ValueError(f"reduce must be one of {_REDUCTIONS}, got {reduce!r}")
         node = idist.get_node_rank()
-        mine = torch.tensor([node, *own], dtype=torch.int64)
+        code = _REDUCTIONS.index(reduce) if reduce in _REDUCTIONS else -1
+        mine = torch.tensor([code, node, *own], dtype=torch.int64)
         gathered = idist.all_gather(mine)
         assert isinstance(gathered, torch.Tensor)
         rows = gathered.reshape(-1, mine.numel())
+        codes = rows[:, 0].tolist()
+        if code < 0 or any(c != code for c in codes):
+            asked = {r: (_REDUCTIONS[c] if c >= 0 else "invalid") for r, c in enumerate(codes)}
+            raise ValueError(
+                f"reduce must be one of {_REDUCTIONS} and the same on every rank; got {reduce!r} here, by rank: {asked}"
+            )
         if reduce == "node":
-            rows = rows[rows[:, 0] == node]
-        hits, misses, entries, nbytes = (int(v) for v in rows[:, 1:].sum(dim=0))
+            rows = rows[rows[:, 1] == node]
+        hits, misses, entries, nbytes = (int(v) for v in rows[:, 2:].sum(dim=0))
         return CacheStats(hits, misses, entries, nbytes)
 
     def close(self) -> None:
