@@ -120,6 +120,9 @@ class _Heartbeat:
         self._store = weakref.ref(store)
         self._rank = rank
         self._pending: list[str] = []
+        # Keys of the block in progress that only this rank knows of (its failure details): deleted with the rest
+        # of the block's keys, once the next block's verdict shows that every rank has left it.
+        self.carried: list[str] = []
         self._wake = threading.Event()
         self._beat()
         threading.Thread(target=self._run, name="ignite_ext-heartbeat", daemon=True).start()
@@ -262,7 +265,8 @@ class StoreChannel(Channel):
         if self.seq > 0:
             prev = f"ignite_ext/sched/{self.seq - 1}"
             shared = [f"{prev}/{k}" for k in ("exits", "nfail", "acks", "entered", "verdict")] if self.rank == 0 else []
-            self.heartbeat.delete_later([f"{prev}/out/{self.rank}", f"{prev}/entry/{self.rank}", *shared])
+            carried, self.heartbeat.carried = self.heartbeat.carried, []
+            self.heartbeat.delete_later([f"{prev}/out/{self.rank}", f"{prev}/entry/{self.rank}", *shared, *carried])
 
     def exchange(self, mine: bytes, judge: Callable[[list[bytes]], bytes]) -> bytes:
         """Rank 0 collects every entry from the store, judges, and publishes the verdict: no collective.
@@ -343,6 +347,7 @@ class StoreChannel(Channel):
         if own:
             index = self.store.add(self._key("nfail"), 1)
             self.store.set(self._key("fail", index), _payload(own))
+            self.heartbeat.carried.append(self._key("fail", index))
         self.store.add(self._key("exits"), 1 + (self.world_size + 1) * bool(own))
 
     def wait_turn(self) -> list[RankFailure]:

@@ -331,6 +331,31 @@ def test_many_back_to_back_blocks_with_frequent_key_cleanup() -> None:
     assert seen == [["ok"] * 400] * 4
 
 
+def body_failing_blocks_store_keys() -> list[int]:
+    from torch.distributed import distributed_c10d
+
+    store = distributed_c10d._get_default_store()
+    counts = []
+    for rounds in (10, 30):
+        for i in range(rounds):
+            try:
+                with idist.one_rank_first():
+                    if idist.get_rank() == 1 and i % 2 == 0:
+                        raise ValueError("half of the blocks fail on rank 1")
+            except (ValueError, idist.RankFailedError):
+                pass
+        time.sleep(1.0)  # heartbeats (every 0.2 s here) run the deferred deletions
+        counts.append(store.num_keys())
+    return counts
+
+
+def test_keys_of_finished_blocks_do_not_accumulate_in_the_store() -> None:
+    # Ranks 1..3 still run deferred deletions while rank 0 counts, so compare after a pause, on every rank.
+    counts = values(run_world(body_failing_blocks_store_keys, 4, env={"IGNITE_EXT_HEARTBEAT_TIMEOUT": "1.2"}))
+    for after_10, after_40 in counts:
+        assert after_40 <= after_10 + 2, counts  # 15 more failed blocks must leave no keys behind
+
+
 class _SchedulingDataset(torch.utils.data.Dataset[int]):
     def __len__(self) -> int:
         return 2
