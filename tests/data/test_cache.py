@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import os
@@ -13,6 +14,7 @@ import tempfile
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -395,55 +397,55 @@ def _create_default(directory: str, share: int, start: Any, done: Any, out: Any)
     done.wait(timeout=30)  # keep the arena (and its claim) alive until every creator has reported
 
 
+@contextlib.contextmanager
+def creators(count: int) -> Iterator[tuple[str, Any, Any, list[Any]]]:
+    """``count`` forked processes, not started yet, that create a default arena in a fresh directory at a barrier.
+
+    Yields the directory, the barrier (``count + 1`` parties: the test is one), the queue of their capacities or
+    errors and the processes; afterwards lets them close their arenas, reaps them and removes the directory.
+    """
+    ctx = mp.get_context("fork")
+    directory = tempfile.mkdtemp(dir=shm.SHM_DIR)
+    start, done, out = ctx.Barrier(count + 1), ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_create_default, args=(directory, 1, start, done, out)) for _ in range(count)]
+    try:
+        yield directory, start, out, procs
+    finally:
+        done.set()
+        for p in procs:
+            if p.pid is not None:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        shm.sweep_stale(directory)
+        os.rmdir(directory)
+
+
 @pytest.mark.distributed
 def test_concurrent_default_caches_see_each_others_claims() -> None:
     # Ranks of a node create their caches at the same moment; each default must count the others' claims.
-    ctx = mp.get_context("fork")
-    directory = tempfile.mkdtemp(dir=shm.SHM_DIR)
-    free = shm.available_bytes(directory)
-    start, done, out = ctx.Barrier(6), ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=_create_default, args=(directory, 1, start, done, out)) for _ in range(5)]
-    try:
+    with creators(5) as (directory, start, out, procs):
+        free = shm.available_bytes(directory)
         for p in procs:
             p.start()
         start.wait(timeout=30)
         results = [out.get(timeout=60) for _ in procs]
-        done.set()
         assert all(isinstance(r, int) for r in results), results
+        results.sort(reverse=True)
         # One after the other: half, a quarter, ... of what is left; never more than there is.
         assert sum(results) < shm.DEFAULT_FRACTION * free * 2
-        assert sorted(results, reverse=True)[0] > 1.9 * sorted(results, reverse=True)[1]
-    finally:
-        done.set()
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        shm.sweep_stale(directory)
-        os.rmdir(directory)
+        assert results[0] > 1.9 * results[1]
 
 
 def test_creation_waits_while_another_process_sizes_its_cache() -> None:
-    directory = tempfile.mkdtemp(dir=shm.SHM_DIR)
-    ctx = mp.get_context("fork")
-    start, done, out = ctx.Barrier(2), ctx.Event(), ctx.Queue()
-    p = ctx.Process(target=_create_default, args=(directory, 1, start, done, out))
-    try:
+    with creators(1) as (directory, start, out, procs):
         with shm._directory_lock(directory):
-            p.start()  # forked while the lock is held: it shares the descriptor, yet must not keep the lock
+            procs[0].start()  # forked while the lock is held: it shares the descriptor, yet must not keep the lock
             start.wait(timeout=30)
             time.sleep(0.5)
             assert out.empty() and not os.listdir(directory)  # blocked on the lock
         assert isinstance(out.get(timeout=30), int)
-    finally:
-        done.set()
-        p.join(timeout=30)
-        if p.is_alive():
-            p.kill()
-            p.join()
-        shm.sweep_stale(directory)
-        os.rmdir(directory)
 
 
 def test_ranks_of_a_node_split_the_default_capacity() -> None:
