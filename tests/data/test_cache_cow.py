@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -177,4 +179,29 @@ def test_lent_tensors_cross_to_the_main_process_intact() -> None:
             s["x"].zero_()
     assert ds.stats().hits == 2 * len(ds)
     del dl
+    ds.close()
+
+
+def test_threads_reading_one_large_sample_never_share_its_memory() -> None:
+    ds = CachedDataset(BigSamples(), capacity_bytes=16 << 20)
+    ds[5]
+    errors: list[str] = []
+
+    def reader(tid: int) -> None:
+        for _ in range(200):
+            x = ds[5]["x"]
+            if not x.eq(5.0).all():
+                errors.append(f"thread {tid} read a modified sample")
+            x.fill_(-float(tid))
+            time.sleep(0)  # let another thread read (and, if it were lent the same pages, write) meanwhile
+            if not x.eq(-float(tid)).all():
+                errors.append(f"thread {tid} shares its sample's memory with another thread")
+
+    threads = [threading.Thread(target=reader, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads) and errors == []
+    assert ds.stats().hits == 800
     ds.close()
