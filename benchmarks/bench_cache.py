@@ -12,7 +12,7 @@ warm. The variants:
 * ``no cache``: the disk dataset itself: reads one file per sample and pays a simulated 2 ms decode.
 
 It also reports the node memory of the cache (the PSS of its segment summed over the main process and the
-workers, against the bytes cached) and what one hit costs: as the cache serves it (buffers of 256 KiB and more lent
+workers, against the bytes cached) and what one hit costs: as the cache serves it (buffers of 64 KiB and more lent
 as copy-on-write views, smaller ones copied) and when every buffer is copied.
 """
 

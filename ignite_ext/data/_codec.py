@@ -13,9 +13,10 @@ Layout of one encoded sample::
 
     u32 magic | u32 skeleton length | u32 start of raw 0 | skeleton (pickle) | padding | raw 0 | padding | raw 1 | ...
 
-Raw buffers start at multiples of 64 bytes; those of :data:`LENDABLE` bytes or more start at a page boundary and are
-padded to the next one (and so is the start of the raw region, then), so that no two buffers share a page: a range
-written at a page-aligned offset can lend each such buffer's pages on their own.
+Raw buffers start at multiples of 64 bytes. Those of :data:`LENDABLE` bytes or more are also placed a whole number of
+pages apart, and :attr:`Encoded.page_offset` says where in a page the range must start for them to begin on page
+boundaries: then no two of them share a page (the pages one of them is lent from may hold other, copied bytes, which
+is harmless), across samples too, at a cost of less than a page of padding per sample.
 
 .. versionadded:: 0.1.0
 """
@@ -39,10 +40,9 @@ _MAGIC = 0x49584332  # "IXC2": catches a range that was never written by this co
 _PREFIX = struct.Struct("<III")
 #: Raw buffers start at multiples of this, so decoding copies from aligned addresses.
 ALIGN = 64
-#: Raw buffers of at least this many bytes own whole pages, so they can be lent copy-on-write instead of copied.
-#: Smaller ones are copied: their copy costs less than the page-table work of lending, and padding them to pages
-#: would waste up to two pages each.
-LENDABLE = 256 << 10
+#: Raw buffers of at least this many bytes start on a page, so they can be lent copy-on-write instead of copied.
+#: Smaller ones are copied: the alignment costs up to a page of padding per sample, too much for small samples.
+LENDABLE = 64 << 10
 
 #: Where a decoded buffer may come from instead of a copy: ``(offset, nbytes)`` in the encoded range to a writable
 #: view that nobody else sees (or ``None`` to copy).
@@ -66,7 +66,8 @@ class Encoded:
         head: magic, skeleton length and skeleton.
         raws: each raw buffer with its offset in the range.
         nbytes: length of the range.
-        align: the range must start at a multiple of this (a page when a buffer is :data:`LENDABLE`).
+        page_offset: with :data:`LENDABLE` buffers, the range must be written at an offset ``o`` of a page-aligned
+            mapping such that ``(o + page_offset) % PAGE == 0`` (a multiple of 64); ``None`` without them.
 
     Examples:
         >>> import torch
@@ -83,7 +84,7 @@ class Encoded:
     head: bytes
     raws: tuple[tuple[int, memoryview], ...]
     nbytes: int
-    align: int = ALIGN
+    page_offset: int | None = None
 
     def write_into(self, out: memoryview) -> None:
         """Copy the encoded sample into ``out``, which must hold at least :attr:`nbytes` bytes."""
@@ -96,15 +97,17 @@ class _Encoder:
     def __init__(self) -> None:
         self.raws: list[tuple[int, memoryview]] = []  # offsets relative to the start of the raw region
         self.size = 0  # bytes of the raw region so far
-        self.align = ALIGN  # what the raw region's start must be a multiple of
+        self.anchor: int | None = None  # offset of the first lendable buffer: the others are pages away from it
 
     def _add(self, raw: memoryview) -> int:
-        own_pages = raw.nbytes >= LENDABLE
-        offset = _aligned(self.size, PAGE if own_pages else ALIGN)
+        offset = _aligned(self.size)
+        if raw.nbytes >= LENDABLE:
+            if self.anchor is None:
+                self.anchor = offset
+            else:
+                offset += (self.anchor - offset) % PAGE
         self.raws.append((offset, raw))
-        self.size = _aligned(offset + raw.nbytes, PAGE) if own_pages else offset + raw.nbytes
-        if own_pages:
-            self.align = PAGE
+        self.size = offset + raw.nbytes
         return offset
 
     def walk(self, obj: Any) -> tuple[Any, ...]:
@@ -158,9 +161,10 @@ def encode(sample: Any) -> Encoded:
     end = _PREFIX.size + len(skeleton)
     if not enc.raws:
         return Encoded(_PREFIX.pack(_MAGIC, len(skeleton), end) + skeleton, (), end)
-    base = _aligned(end, enc.align)
+    base = _aligned(end)
     head = _PREFIX.pack(_MAGIC, len(skeleton), base) + skeleton
-    return Encoded(head, tuple((base + offset, raw) for offset, raw in enc.raws), base + enc.size, enc.align)
+    page_offset = None if enc.anchor is None else (base + enc.anchor) % PAGE
+    return Encoded(head, tuple((base + offset, raw) for offset, raw in enc.raws), base + enc.size, page_offset)
 
 
 class _Decoder:

@@ -12,9 +12,10 @@ Two things keep a later read of the same bytes from seeing an earlier reader's c
 * before a range is lent again, ``/proc/self/pagemap`` tells whether any of its pages became private (written); if
   so they are dropped with ``MADV_DONTNEED``, which makes them map the file's pages again.
 
-Dropping pages is only safe when no other lent range shares them, so only ranges that start and end on page
-boundaries are lent. Where ``pagemap`` does not report what this needs (some sandboxes), nothing is lent and callers
-copy.
+Dropping pages is only safe when no other lent range shares them, so only ranges that start on a page boundary are
+lent, and no lent range may start in another's last page. Other bytes in a lent range's pages are harmless: their
+readers read them through the shared mapping, so whether the private one holds a copy of them does not matter.
+Where ``pagemap`` does not report what this needs (some sandboxes), nothing is lent and callers copy.
 
 .. versionadded:: 0.1.0
 """
@@ -123,8 +124,8 @@ class CowMap:
     def lend(self, begin: int, nbytes: int) -> memoryview | None:
         """A writable view of bytes ``begin:begin + nbytes`` of the file, or ``None`` if they cannot be lent now.
 
-        ``None`` when ``begin`` is not page-aligned or the range is lent already. The range's last page must hold
-        nothing else that is lent (callers pad ranges to a page). The view must only be used to build tensors or
+        ``None`` when ``begin`` is not page-aligned or the range is lent already. No other lendable range may
+        start in this range's last page. The view must only be used to build tensors or
         arrays that hold it; the range is free again when the view is garbage-collected.
         """
         if begin % PAGE or nbytes <= 0 or begin + nbytes > len(self._view):

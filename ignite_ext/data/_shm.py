@@ -5,8 +5,8 @@ however many processes map it. It holds::
 
     header (4 KiB) | index table: n x (state, offset, length) | counters | data (bump-allocated, 64-byte aligned)
 
-The data area starts on a page boundary and a range may be reserved page-aligned, so that the buffers the codec
-gives pages of their own can be lent copy-on-write (:meth:`Arena.borrow`).
+The data area starts on a page boundary and a range may be reserved at a given offset from one, so that the large
+buffers of a sample start on pages of their own and can be lent copy-on-write (:meth:`Arena.borrow`).
 
 *Publish when complete*: a writer reserves a range (under the lock), copies the sample into it (no lock) and then,
 under the lock again, writes offset and length and flips the entry's state to READY last. Readers never lock: an
@@ -499,18 +499,21 @@ class Arena:
         offset, length = local.table[base + 1], local.table[base + 2]
         return local.data[offset : offset + length]
 
-    def reserve(self, index: int, nbytes: int, align: int = _ALIGN) -> int | None:
+    def reserve(self, index: int, nbytes: int, page_offset: int | None = None) -> int | None:
         """Hand out ``nbytes`` of the data area for ``index``; ``None`` if it is already published or no room.
 
-        The range starts at a multiple of ``align`` and the next range starts after its size rounded up to one.
+        The range starts at a multiple of 64 bytes or, with ``page_offset`` (a multiple of 64), ``page_offset``
+        bytes before a page boundary of the file (see :attr:`~ignite_ext.data._codec.Encoded.page_offset`).
         """
         local = self._mapped()
         header = local.header
-        size = _aligned(nbytes, align)
+        size = _aligned(nbytes)
         if local.table[index * _ENTRY_WORDS] != _EMPTY or header[_H_USED] + size > header[_H_CAPACITY]:
             return None  # checked without the lock first, so a full cache costs no lock per miss
         with self._locked(local):
-            offset = _aligned(header[_H_USED], align)
+            offset = header[_H_USED]
+            if page_offset is not None:  # the data area starts on a page: offsets in it are file offsets mod PAGE
+                offset += (-(offset + page_offset)) % PAGE
             if local.table[index * _ENTRY_WORDS] != _EMPTY or offset + size > header[_H_CAPACITY]:
                 return None
             try:
@@ -528,8 +531,8 @@ class Arena:
         Writing to the view (or to a tensor built on it) copies the pages written, for this process only: the
         arena is never changed. ``None`` when the range is not page-aligned in the arena, is lent already (a
         tensor built on an earlier view of it is still alive in this process), or this kernel does not report
-        the page flags this needs; then the caller copies. The range's last page must belong to it alone (the
-        codec pads page-aligned buffers to a page).
+        the page flags this needs; then the caller copies. No other range that is ever lent may start in the
+        range's last page (the codec and :meth:`reserve` start every lendable buffer on a page).
         """
         local = self._mapped()
         if not local.cow_opened:

@@ -85,7 +85,7 @@ class CachedDataset(Dataset[Any]):
     pickling (only its shared-memory name travels; workers map it on first use), so it works with the ``fork``
     and ``spawn`` start methods and with or without ``persistent_workers``. Samples are stored as a small header
     plus the raw bytes of their tensors and arrays. Every read returns tensors and arrays of its own (copies under
-    256 KiB, private copy-on-write views of the cache from 256 KiB up, which cost no copy unless written to):
+    64 KiB, private copy-on-write views of the cache from 64 KiB up, which cost no copy unless written to):
     modifying a sample never changes the cache, nor what a later read gets. Nothing is evicted: once the cache is
     full, samples not in it are loaded from ``dataset`` each time they are read (and counted as misses).
 
@@ -176,7 +176,7 @@ class CachedDataset(Dataset[Any]):
             warnings.warn(f"sample {i} cannot be cached and is served uncached: {exc!r}", RuntimeWarning, stacklevel=2)
             arena.count(self._row, self._count_slot(), misses=1)
             return sample
-        offset = arena.reserve(i, enc.nbytes, enc.align)
+        offset = arena.reserve(i, enc.nbytes, enc.page_offset)
         published = False
         if offset is not None:
             enc.write_into(arena.data_view(offset, enc.nbytes))
