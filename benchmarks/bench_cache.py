@@ -1,8 +1,9 @@
 """Cached epoch throughput of CachedDataset against a Manager-dict cache, no cache, and an in-memory dataset.
 
 Every variant runs through the same DataLoader (4 workers, fork, persistent, batches of 16, shuffled) over samples of
-64 KiB and 1 MiB (float32 tensors); the figure is the best samples/s of epochs 2 and later, when every cache is
-warm. The variants:
+64 KiB and 1 MiB (float32 tensors), the variants taking turns epoch by epoch. From epoch 2 on, when every cache is
+warm, it reports each variant's best samples/s and, as ratios, the median over those epochs of its rate over the
+peer's rate in the same round. The variants:
 
 * ``in-memory``: a ``TensorDataset`` over one tensor holding everything: the limit, no loading at all;
 * ``CachedDataset``: the shared-memory cache wrapping the disk dataset;
@@ -21,6 +22,7 @@ from __future__ import annotations
 import functools
 import os
 import platform
+import statistics
 import tempfile
 import time
 import warnings
@@ -83,16 +85,25 @@ def _loader(dataset: Dataset[Any]) -> DataLoader[Any]:
     )
 
 
-def _rates(loaders: dict[str, DataLoader[Any]], epochs: int) -> dict[str, float]:
-    """Best samples/s of each loader over epochs 2.., the loaders taking turns so that load spikes hit them all."""
-    best = dict.fromkeys(loaders, 0.0)
+def _rates(loaders: dict[str, DataLoader[Any]], epochs: int) -> dict[str, list[float]]:
+    """Samples/s of each loader in each epoch from 2 on; the loaders take turns, epoch by epoch."""
+    rates: dict[str, list[float]] = {name: [] for name in loaders}
     for e in range(epochs):
         for name, loader in loaders.items():
             start = time.perf_counter()
             count = sum(len(batch[0]) for batch in loader)
             if e >= 2:
-                best[name] = max(best[name], count / (time.perf_counter() - start))
-    return best
+                rates[name].append(count / (time.perf_counter() - start))
+    return rates
+
+
+def _paired(rates: dict[str, list[float]], variant: str, peer: str) -> float:
+    """Median over epochs of ``variant``'s rate over ``peer``'s in the same round.
+
+    Each ratio compares runs a few seconds apart, so the machine's load drifts cancel out; a ratio of bests would
+    favour whichever variant got the quietest moment.
+    """
+    return statistics.median(a / b for a, b in zip(rates[variant], rates[peer], strict=True))
 
 
 def _hit_cost(ds: CachedDataset) -> tuple[float, float]:
@@ -125,7 +136,8 @@ def _one_size(sample_bytes: int, n: int, epochs: int, manager: SyncManager, root
         "Manager dict": _loader(ManagerDictCache(disk, manager.dict())),
         "no cache": _loader(disk),
     }
-    rates = _rates(loaders, epochs)
+    per_epoch = _rates(loaders, epochs)
+    rates = {name: max(r) for name, r in per_epoch.items()}
     workers = [w.pid for w in loaders["CachedDataset"]._iterator._workers]  # type: ignore[union-attr]
     pss = mapped_pss(cached.segment, [os.getpid(), *workers])
     del loaders
@@ -142,8 +154,8 @@ def _one_size(sample_bytes: int, n: int, epochs: int, manager: SyncManager, root
                 "variant": variant,
                 "samples_per_s": round(rate, 1),
                 "MiB_per_s": round(rate * sample_bytes / 2**20, 1),
-                "vs_in_memory": round(rate / rates["in-memory"], 3),
-                "vs_manager_dict": round(rate / rates["Manager dict"], 3),
+                "vs_in_memory": round(_paired(per_epoch, variant, "in-memory"), 3),
+                "vs_manager_dict": round(_paired(per_epoch, variant, "Manager dict"), 3),
                 "cache_pss_over_bytes": round(pss / stats.bytes, 3) if variant == "CachedDataset" else "",
                 "hit_us": round(hit_us, 1) if variant == "CachedDataset" else "",
                 "hit_if_copied_us": round(copy_us, 1) if variant == "CachedDataset" else "",
@@ -158,7 +170,7 @@ def _one_size(sample_bytes: int, n: int, epochs: int, manager: SyncManager, root
 def run(quick: bool = False) -> dict[str, Any]:
     """Run both sample sizes; ``quick`` uses fewer samples and epochs (about half a minute)."""
     sizes = [(64 << 10, 256 if quick else 4096), (1 << 20, 64 if quick else 256)]
-    epochs = 5 if quick else 8
+    epochs = 5 if quick else 10
     torch.set_num_threads(1)
     rows: list[dict[str, Any]] = []
     with (
