@@ -34,8 +34,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from ignite_ext.data import CachedDataset
-from ignite_ext.data._codec import decode
-from ignite_ext.data._shm import mapped_pss
+from ignite_ext.data.cache.codec import decode
+from ignite_ext.data.cache.shm import mapped_pss
 
 NAME = "cache"
 

@@ -27,8 +27,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 import ignite_ext.distributed as idist
-from ignite_ext.data import CachedDataset, ShardedDistributedSampler
-from ignite_ext.data.handlers import CacheStatsHandler
+from ignite_ext.data import CachedDataset, CacheStatsHandler, ShardedDistributedSampler
 
 NUM_CLASSES = 10
 FEATURES = 32

@@ -32,7 +32,7 @@ from torch.utils.data import Dataset
 
 import ignite_ext.distributed as idist
 from ignite_ext.data import download_url
-from ignite_ext.demo._data import CountingServer
+from ignite_ext.demo.data import CountingServer
 
 
 class MyDataset(Dataset[str]):

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import ignite_ext.distributed as idist
 from ignite_ext.data import download_url
-from ignite_ext.demo._data import CountingServer, make_archive, sha256_of
+from ignite_ext.demo.data import CountingServer, make_archive, sha256_of
 
 RANKS_PER_NODE = 2
 

@@ -31,7 +31,11 @@ __all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m ignite_ext demo", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m ignite_ext demo",
+        description="The end-to-end demo: a generated dataset served on 127.0.0.1, fetched once per node directory, "
+        "trained on gloo ranks of simulated nodes with a sharded sampler and a shared cache (offline).",
+    )
     p.add_argument("--nnodes", type=int, default=2, help="simulated nodes (default 2)")
     p.add_argument("--nproc-per-node", type=int, default=2, help="ranks per node (default 2)")
     p.add_argument("--epochs", type=int, default=3, help="training epochs (default 3)")
@@ -151,8 +155,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.node_rank is not None:
         return _run_node(args)
-    from ignite_ext.demo._data import CountingServer, make_archive, sha256_of
     from ignite_ext.demo._train import DemoConfig
+    from ignite_ext.demo.data import CountingServer, make_archive, sha256_of
 
     with tempfile.TemporaryDirectory(prefix="ignite_ext_demo_") as tmp:
         root = Path(args.root) if args.root else Path(tmp)

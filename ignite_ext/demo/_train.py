@@ -14,9 +14,8 @@ from ignite.metrics import Accuracy
 from torch import nn
 
 import ignite_ext.distributed as idist
-from ignite_ext.data import CachedDataset, ShardedDistributedSampler, download_url
-from ignite_ext.data.handlers import CacheStatsHandler
-from ignite_ext.demo._data import NUM_CLASSES, ShapesDataset
+from ignite_ext.data import CachedDataset, CacheStatsHandler, ShardedDistributedSampler, download_url
+from ignite_ext.demo.data import NUM_CLASSES, ShapesDataset
 
 __all__ = ["DemoConfig", "training"]
 

@@ -14,7 +14,8 @@ from ignite.distributed import *  # noqa: F403
 # exported through the star import above; name it explicitly (it is the very same class).
 from ignite.distributed.launcher import Parallel as Parallel
 
-from ignite_ext.distributed.errors import RankFailedError, RankFailure
+from ignite_ext.distributed.agree import agree
+from ignite_ext.distributed.errors import RankDiedError, RankFailedError, RankFailure, StoreLostError
 from ignite_ext.distributed.policies import Comm, MasterFirst, Ordered, Plan, Policy, Turn, World
 from ignite_ext.distributed.schedule import one_rank_first, rank_scheduler
 from ignite_ext.distributed.shared_path import SharedPath
@@ -25,11 +26,14 @@ __all__ = [
     "Ordered",
     "Plan",
     "Policy",
+    "RankDiedError",
     "RankFailedError",
     "RankFailure",
     "SharedPath",
+    "StoreLostError",
     "Turn",
     "World",
+    "agree",
     "one_rank_first",
     "rank_scheduler",
 ]

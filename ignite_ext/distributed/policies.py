@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from ignite_ext.distributed.agree import agree
+
 __all__ = ["Comm", "MasterFirst", "Ordered", "Plan", "Policy", "Turn", "World"]
 
 T = TypeVar("T")
@@ -151,6 +153,8 @@ class Comm(ABC):
     def agree(self, fn: Callable[[], T], what: str) -> list[T]:
         """Run ``fn`` on every rank and gather the results; if it raised anywhere, raise everywhere.
 
+        This is :func:`ignite_ext.distributed.agree` over this object's :meth:`all_gather_object`.
+
         Args:
             fn: the local step; its result must be picklable.
             what: a few words for the error message, e.g. ``"creating the census marker"``.
@@ -162,17 +166,7 @@ class Comm(ABC):
             ValueError: on every rank when ``fn`` raised ``ValueError`` or ``OSError`` on any rank.
             RuntimeError: on every rank when ``fn`` raised anything else on any rank.
         """
-        try:
-            local: tuple[bool, Any] = (True, fn())
-        except Exception as exc:  # reported to every rank below
-            local = (False, (type(exc).__name__, str(exc), isinstance(exc, (ValueError, OSError))))
-        gathered = self.all_gather_object(local)
-        errors = [(r, res) for r, (ok, res) in enumerate(gathered) if not ok]
-        if errors:
-            details = "; ".join(f"rank {r}: {name}: {msg}" for r, (name, msg, _) in errors)
-            error_type = ValueError if all(user for _, (_, _, user) in errors) else RuntimeError
-            raise error_type(f"{what} failed on rank(s) {[r for r, _ in errors]}: {details}")
-        return [res for _, res in gathered]
+        return agree(fn, what, exchange=lambda mine, judge: judge(list(self.all_gather_object(mine))))
 
 
 class Policy(ABC):

@@ -5,27 +5,22 @@
 
 from __future__ import annotations
 
-import itertools
-import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import ignite.distributed as idist
 import torch.utils.data
 
+from ignite_ext.distributed._channel import Channel, make_channel, native_store
 from ignite_ext.distributed._collective import IdistComm
-from ignite_ext.distributed._status import Channel, make_channel
-from ignite_ext.distributed.errors import RankFailedError, RankFailure
+from ignite_ext.distributed._state import GroupState, group_state
+from ignite_ext.distributed.agree import agree, disagreement
 from ignite_ext.distributed.policies import MasterFirst, Policy, Turn, World
+from ignite_ext.errors import RankFailedError, RankFailure
 
 __all__ = ["one_rank_first", "rank_scheduler"]
 
 _MAX_MESSAGE = 2000
-# Counts the communicating schedulers this process entered; every rank enters them in the same order, so the
-# count names the same block on every rank (the store keys of one block never meet another's).
-_SEQUENCE = itertools.count()
-# Depth of scheduled blocks this process is inside, and the world the outermost one agreed on.
-_state: dict[str, object] = {"depth": 0, "world": None}
 
 
 def _describe(order: object) -> str:
@@ -33,89 +28,69 @@ def _describe(order: object) -> str:
     return f"{name}:{order.describe()}" if isinstance(order, Policy) else f"{name}:{order!r}"
 
 
-def _local_check(order: object, world: World) -> str:
-    """Return an error message for this rank's arguments, or "" when they are fine."""
+def _check(order: object, world: World) -> None:
+    """Raise ``ValueError`` when this rank's ``order`` is not a policy or does not fit ``world``."""
     if not isinstance(order, Policy):
-        return f"order should be a Policy (e.g. MasterFirst(), Ordered()), but given {order!r}"
-    try:
-        order.validate(world)
-    except ValueError as exc:
-        return str(exc)
-    return ""
+        raise ValueError(f"order should be a Policy (e.g. MasterFirst(), Ordered()), but given {order!r}")
+    order.validate(world)
 
 
-def _entry(order: object, timeout: float | None) -> bytes:
-    """This rank's entry: its place in the world, what it passed, and what is wrong with that."""
+def _entry(order: object, timeout: float | None) -> tuple[int, int, str]:
+    """This rank's entry (its node, local rank, and what it passed); ``ValueError`` if what it passed is invalid."""
     n, npn = idist.get_world_size(), idist.get_nproc_per_node()
-    rough = World(n, tuple(r // npn for r in range(n)), tuple(r % npn for r in range(n)))
-    error = _local_check(order, rough)
-    if not error and timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)):
-        error = f"timeout should be a number of seconds or None, but given {timeout!r}"
-    elif not error and timeout is not None and timeout <= 0:
-        error = f"timeout should be positive, but given {timeout!r}"
-    mine = {
-        "node": idist.get_node_rank(),
-        "local": idist.get_local_rank(),
-        "args": f"{_describe(order)}|timeout={timeout!r}",
-        "error": error,
-    }
-    return json.dumps(mine).encode()
+    _check(order, World(n, tuple(r // npn for r in range(n)), tuple(r % npn for r in range(n))))
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)):
+        raise ValueError(f"timeout should be a number of seconds or None, but given {timeout!r}")
+    if timeout is not None and timeout <= 0:
+        raise ValueError(f"timeout should be positive, but given {timeout!r}")
+    return idist.get_node_rank(), idist.get_local_rank(), f"{_describe(order)}|timeout={timeout!r}"
 
 
-def _judge(entries: list[bytes]) -> bytes:
-    """Check every rank's entry; the verdict is the world's shape, or the error every rank will raise."""
-    seen = [json.loads(e) for e in entries]
-    verdict: dict[str, object] = {"nodes": [e["node"] for e in seen], "locals": [e["local"] for e in seen]}
-    errors = [f"rank {r}: {e['error']}" for r, e in enumerate(seen) if e["error"]]
-    groups: dict[str, list[int]] = {}
-    for r, e in enumerate(seen):
-        groups.setdefault(e["args"], []).append(r)
-    if errors:
-        verdict["error"] = "invalid rank_scheduler arguments: " + "; ".join(errors)
-    elif len(groups) > 1:
-        listing = "; ".join(f"ranks {ranks}: {args}" for args, ranks in groups.items())
-        verdict["error"] = f"ranks passed different rank_scheduler arguments, every rank must pass the same: {listing}"
-    return json.dumps(verdict).encode()
+def _mismatch(entries: list[tuple[int, int, str]]) -> str | None:
+    differ = disagreement([args for _, _, args in entries])
+    if differ is None:
+        return None
+    return f"ranks passed different rank_scheduler arguments, every rank must pass the same: {differ}"
+
+
+def _world(entries: list[tuple[int, int, str]]) -> World:
+    return World(len(entries), tuple(e[0] for e in entries), tuple(e[1] for e in entries))
 
 
 def _agree_on_entry(channel: Channel, order: object, timeout: float | None) -> World:
-    """Exchange every rank's entry; raise ``ValueError`` on every rank if any is invalid or they differ."""
-    verdict = json.loads(channel.exchange(_entry(order, timeout), _judge))
-    if verdict.get("error"):
-        raise ValueError(verdict["error"])
-    return World(len(verdict["nodes"]), tuple(verdict["nodes"]), tuple(verdict["locals"]))
+    """Check every rank's entry together; ``ValueError`` on every rank if any is invalid or they differ."""
+    return agree(
+        lambda: _entry(order, timeout),
+        "checking the rank_scheduler arguments",
+        check=_mismatch,
+        combine=_world,
+        exchange=channel.exchange,
+    )
 
 
 def _failure(rank: int, exc: BaseException) -> RankFailure:
-    message = str(exc)
+    try:
+        message = str(exc)
+    except Exception as inner:  # a failure must reach the others even when its __str__ is broken
+        message = f"<str() of the exception raised {type(inner).__name__}>"
     if len(message) > _MAX_MESSAGE:
         message = message[:_MAX_MESSAGE] + "..."
     return RankFailure(rank, type(exc).__qualname__, message)
 
 
 @contextmanager
-def _run_nested(order: object) -> Iterator[Turn]:
+def _run_nested(order: object, state: GroupState) -> Iterator[Turn]:
     # The ranks inside a scheduled block are a subset of the world, so any collective here would deadlock
     # (as nested one_rank_first does in ignite and Lightning). The outer block already orders the ranks:
     # run at once and yield what the policy says of this rank. Errors here fail the outer block, safely.
-    world = _state["world"]
-    assert isinstance(world, World)
-    error = _local_check(order, world)
-    if error:
-        raise ValueError(error)
+    world = state.world
+    assert world is not None
+    _check(order, world)
     assert isinstance(order, Policy)
     if order.collective:
         raise RuntimeError(f"{order!r} communicates, so it cannot run inside another scheduled block")
-    yield order.plan(world, IdistComm()).turns[idist.get_rank()]
-
-
-@contextmanager
-def _inside() -> Iterator[None]:
-    _state["depth"] = int(str(_state["depth"])) + 1
-    try:
-        yield
-    finally:
-        _state["depth"] = int(str(_state["depth"])) - 1
+    with state.inside(world):
+        yield order.plan(world, IdistComm()).turns[idist.get_rank()]
 
 
 @contextmanager
@@ -171,24 +146,24 @@ def rank_scheduler(order: Policy | None = None, *, timeout: float | None = None)
             "not take part in collectives; schedule the work in the main process (e.g. in the dataset's setup)"
         )
     order = MasterFirst() if order is None else order
-    if int(str(_state["depth"])) > 0:
-        with _run_nested(order) as nested_turn, _inside():
+    rank, world_size = idist.get_rank(), idist.get_world_size()
+    store = native_store() if world_size > 1 else None
+    state = group_state(store)
+    if state.depth > 0:
+        with _run_nested(order, state) as nested_turn:
             yield nested_turn
         return
-    rank, world_size = idist.get_rank(), idist.get_world_size()
     label = order.describe() if isinstance(order, Policy) else repr(order)
     # An invalid timeout is reported by the entry exchange, so that exchange must not itself obey it.
     usable = isinstance(timeout, int | float) and not isinstance(timeout, bool) and timeout > 0
-    channel = make_channel(
-        rank, world_size, label, timeout if usable else None, next(_SEQUENCE) if world_size > 1 else -1
-    )
+    seq = state.take_sequence() if world_size > 1 else -1
+    channel = make_channel(store, rank, world_size, label, timeout if usable else None, seq)
     world = _agree_on_entry(channel, order, timeout)
     assert isinstance(order, Policy)
     plan = order.plan(world, IdistComm())
     turn = plan.turns[rank]
     if world_size == 1:
-        _state["world"] = world
-        with _inside():
+        with state.inside(world):
             yield turn
         return
     channel.start(plan)
@@ -200,9 +175,8 @@ def rank_scheduler(order: Policy | None = None, *, timeout: float | None = None)
     if inherited:
         channel.leave([], inherited)
         raise RankFailedError(inherited, f"rank {rank} did not run the block")
-    _state["world"] = world
     try:
-        with _inside():
+        with state.inside(world):
             yield turn
     except BaseException as exc:
         channel.leave([_failure(rank, exc)], [])

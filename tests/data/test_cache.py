@@ -24,9 +24,9 @@ from torch.utils.data import DataLoader, get_worker_info
 from torch.utils.data._utils import signal_handling
 
 from ignite_ext.data import CachedDataset, CacheStats
-from ignite_ext.data import _shm as shm
-from ignite_ext.data._shm import Arena, ShmSpaceError, mapped_pss, sweep_stale
-from ignite_ext.data.handlers import CacheStatsHandler
+from ignite_ext.data.cache import CacheStatsHandler, ShmSpaceError, shm
+from ignite_ext.data.cache.arena import Arena
+from ignite_ext.data.cache.shm import mapped_pss, sweep_stale
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -440,7 +440,7 @@ def test_concurrent_default_caches_see_each_others_claims() -> None:
 
 def test_creation_waits_while_another_process_sizes_its_cache() -> None:
     with creators(1) as (directory, start, out, procs):
-        with shm._directory_lock(directory):
+        with shm.directory_lock(directory):
             procs[0].start()  # forked while the lock is held: it shares the descriptor, yet must not keep the lock
             start.wait(timeout=30)
             time.sleep(0.5)

@@ -13,8 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ignite_ext.data._codec import ALIGN, LENDABLE, decode, encode
-from ignite_ext.data._cow import PAGE
+from ignite_ext.data.cache._cow import PAGE
+from ignite_ext.data.cache.codec import ALIGN, LENDABLE, decode, encode
 
 Pair = namedtuple("Pair", "image label")
 

@@ -14,10 +14,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from ignite_ext.data import CachedDataset
-from ignite_ext.data import _cow as cow
-from ignite_ext.data._codec import LENDABLE
-from ignite_ext.data._cow import PAGE, CowMap
-from ignite_ext.data._shm import Arena
+from ignite_ext.data.cache import _cow as cow
+from ignite_ext.data.cache._cow import PAGE, CowMap
+from ignite_ext.data.cache.arena import Arena
+from ignite_ext.data.cache.codec import LENDABLE
 
 BIG = LENDABLE // 4  # float32 elements of a lendable tensor
 

@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ignite_ext.data import CachedDataset, ShardedDistributedSampler
-from ignite_ext.data._codec import LENDABLE
+from ignite_ext.data.cache.codec import LENDABLE
 from tests._world import run_world, values
 from tests.data.test_cache import CountingDataset
 from tests.data.test_cache_cow import lent

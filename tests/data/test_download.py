@@ -17,10 +17,11 @@ from pathlib import Path
 
 import pytest
 
+from ignite_ext import _fs
 from ignite_ext.__main__ import main
 from ignite_ext.data import ChecksumError, DownloadError, download_url
-from ignite_ext.data import download as dl
-from ignite_ext.data._http import BACKOFF_ENV
+from ignite_ext.data.download import _partial, _verify
+from ignite_ext.data.download._http import BACKOFF_ENV
 from tests._world import free_port
 from tests.data.http_server import TestHTTPServer
 
@@ -85,8 +86,8 @@ def test_verified_file_is_not_hashed_again(
     url = server.add("/a.bin", DATA)
     download_url(url, tmp_path, sha256=SHA, progress=False)
     hashed: list[Path] = []
-    real_hash = dl._hash_file
-    monkeypatch.setattr(dl, "_hash_file", lambda path, algos: hashed.append(path) or real_hash(path, algos))
+    real_hash = _verify.hash_file
+    monkeypatch.setattr(_verify, "hash_file", lambda path, algos: hashed.append(path) or real_hash(path, algos))
     download_url(url, tmp_path, sha256=SHA, progress=False)
     assert hashed == []  # the record of size, mtime_ns and digest answered
     assert len(server.requests("/a.bin")) == 1
@@ -156,7 +157,7 @@ def test_5xx_is_retried_then_succeeds(server: TestHTTPServer, tmp_path: Path) ->
 
 def test_5xx_exhausts_retries(server: TestHTTPServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     delays: list[float] = []
-    monkeypatch.setattr(dl.time, "sleep", delays.append)
+    monkeypatch.setattr(time, "sleep", delays.append)
     url = server.add("/a.bin", DATA)
     server.fault("/a.bin", status=503)
     with pytest.raises(DownloadError, match=r"gave up after 3 attempts.*503"):
@@ -170,7 +171,7 @@ def test_429_honours_a_small_retry_after(
     server: TestHTTPServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     delays: list[float] = []
-    monkeypatch.setattr(dl.time, "sleep", delays.append)
+    monkeypatch.setattr(time, "sleep", delays.append)
     url = server.add("/a.bin", DATA)
     server.fault("/a.bin", status=429, retry_after="2", times=1)
     assert download_url(url, tmp_path, progress=False).read_bytes() == DATA
@@ -263,14 +264,14 @@ def test_published_files_follow_the_umask(server: TestHTTPServer, tmp_path: Path
 
 def test_orphans_of_gone_writers_are_removed(server: TestHTTPServer, tmp_path: Path) -> None:
     url = server.add("/a.bin", DATA)
-    me = dl._host()
+    me = _fs.host()
     dead = tmp_path / f".a.bin.{me}.{dead_pid()}.0123abcd.tmp"
     alive = tmp_path / f".a.bin.{me}.{os.getpid()}.0123abcd.tmp"
     far_old = tmp_path / ".a.bin.otherhost.12.0123abcd.tmp"
     far_new = tmp_path / ".a.bin.otherhost.13.0123abcd.tmp"
     for path in (dead, alive, far_old, far_new):
         path.write_bytes(b"x" * 10)
-    old = time.time() - dl.ORPHAN_MAX_AGE_S - 60
+    old = time.time() - _partial.ORPHAN_MAX_AGE_S - 60
     os.utime(far_old, (old, old))
     download_url(url, tmp_path, sha256=SHA, progress=False)
     assert not dead.exists() and not far_old.exists()
@@ -317,7 +318,7 @@ def test_lock_that_cannot_be_taken_does_not_fail(
         def release(self) -> None:
             raise AssertionError("never held")
 
-    monkeypatch.setattr(dl, "_lock_factory", lambda path: Broken())
+    monkeypatch.setattr(_fs, "lock_factory", lambda path: Broken())
     url = server.add("/a.bin", DATA)
     assert download_url(url, tmp_path, sha256=SHA, progress=False).read_bytes() == DATA
 
@@ -372,13 +373,13 @@ def test_ctrl_c_parks_the_bytes_for_the_next_call(
     server: TestHTTPServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     url = server.add("/a.bin", DATA)
-    real_append = dl._Partial.append
+    real_append = _partial.Partial.append
 
-    def interrupted(self: dl._Partial, data: bytes) -> None:
+    def interrupted(self: _partial.Partial, data: bytes) -> None:
         real_append(self, data)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(dl._Partial, "append", interrupted)
+    monkeypatch.setattr(_partial.Partial, "append", interrupted)
     with pytest.raises(KeyboardInterrupt):
         download_url(url, tmp_path, sha256=SHA, progress=False)
     monkeypatch.undo()

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from ignite_ext.data._http import BACKOFF_ENV
+from ignite_ext.data.download._http import BACKOFF_ENV
 from tests._world import run_world, values
 from tests.data.http_server import TestHTTPServer
 
@@ -59,10 +59,11 @@ class _Waits(logging.Handler):
 
 
 def fetch(url: str, root: str, sha256: str | None, no_lock: bool = False) -> dict[str, Any]:
+    from ignite_ext import _fs
     from ignite_ext.data import download as dl
 
     if no_lock:
-        dl._lock_factory = _NoLock
+        _fs.lock_factory = _NoLock
     waits = _Waits()
     log = logging.getLogger("ignite_ext.data.download")
     log.addHandler(waits)

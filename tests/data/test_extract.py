@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from ignite_ext._fs import host
 from ignite_ext.data import ArchiveError, download_url, extract_archive
-from ignite_ext.data import extract as ex
-from ignite_ext.data.download import _host
+from ignite_ext.data.download import _members
+from ignite_ext.data.download import extract as ex
 from tests._world import run_world, values
 from tests.data.http_server import TestHTTPServer
 
@@ -228,7 +229,7 @@ def test_failure_midway_leaves_nothing(tmp_path: Path, monkeypatch: pytest.Monke
     def crash(root: Path) -> None:
         raise OSError("disk full")
 
-    monkeypatch.setattr(ex, "_check_links", crash)
+    monkeypatch.setattr(ex, "check_links", crash)
     with pytest.raises(OSError, match="disk full"):
         extract_archive(archive, tmp_path / "out")
     assert not (tmp_path / "out").exists() and siblings(tmp_path / "out") == []
@@ -237,7 +238,7 @@ def test_failure_midway_leaves_nothing(tmp_path: Path, monkeypatch: pytest.Monke
 def test_orphans_of_dead_extractors_are_removed(tmp_path: Path) -> None:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
-    orphan = tmp_path / f".out.{_host()}.{proc.pid}.0123abcd.extracting"
+    orphan = tmp_path / f".out.{host()}.{proc.pid}.0123abcd.extracting"
     (orphan / "half").mkdir(parents=True)
     archive = make_tar(tmp_path / "a.tar", regular("f", b"one"))
     extract_archive(archive, tmp_path / "out")
@@ -278,9 +279,9 @@ class _NoLock:
 
 
 def extract_without_lock(archive: str, dest: str) -> int:
-    from ignite_ext.data import download
+    from ignite_ext import _fs
 
-    download._lock_factory = _NoLock
+    _fs.lock_factory = _NoLock
     return extract_counting(archive, dest)
 
 
@@ -322,7 +323,7 @@ def test_truncated_archive_is_an_archive_error(tmp_path: Path, suffix: str) -> N
 
 
 def test_data_filter_stands_behind_the_member_checks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ex, "_check_tar_members", lambda members, max_total_bytes: None)
+    monkeypatch.setattr(_members, "_check_tar_members", lambda members, max_total_bytes: None)
     archive = make_tar(tmp_path / "evil.tar", special("link", tarfile.SYMTYPE, "../../outside"))
     with pytest.raises(ArchiveError, match="refused by tarfile's data filter"):
         extract_archive(archive, tmp_path / "out")

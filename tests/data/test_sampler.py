@@ -208,7 +208,7 @@ def test_defaults_come_from_idist_in_serial_mode() -> None:
 
 
 def test_defaults_from_idist_are_used_when_not_given(monkeypatch: pytest.MonkeyPatch) -> None:
-    import ignite_ext.data.sampler as module
+    import ignite_ext.data.sampler.sharded as module
 
     fake = {"get_world_size": 6, "get_rank": 4, "get_nnodes": 3, "get_node_rank": 2, "get_nproc_per_node": 2,
             "get_local_rank": 0}  # fmt: skip

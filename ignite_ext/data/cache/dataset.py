@@ -1,10 +1,10 @@
 """A shared in-memory sample cache for map-style datasets: load once, then serve every worker and rank from RAM.
 
 :class:`CachedDataset` wraps any map-style dataset. The first read of an index loads it from the wrapped dataset and
-stores it, serialised compactly, in a shared-memory arena (:mod:`ignite_ext.data._shm`); every later read of that
+stores it, serialised compactly, in a shared-memory arena (:mod:`ignite_ext.data.cache.arena`); every later read of that
 index by any DataLoader worker of the rank (``scope="rank"``) or by any rank of the node (``scope="node"``) is
 served from there: small tensors and arrays are copied out, large ones lent as private copy-on-write views
-(:mod:`ignite_ext.data._cow`). See the cache guide for the guarantees, the memory model and the sampler pairings.
+(:mod:`ignite_ext.data.cache._cow`). See the cache guide for the guarantees, the memory model and the sampler pairings.
 
 .. versionadded:: 0.1.0
 """
@@ -19,11 +19,12 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 import ignite.distributed as idist
-import torch
 from torch.utils.data import Dataset, get_worker_info
 
-from ignite_ext.data._codec import decode, encode
-from ignite_ext.data._shm import Arena
+from ignite_ext.data.cache.arena import Arena
+from ignite_ext.data.cache.codec import decode, encode
+from ignite_ext.distributed import agree
+from ignite_ext.distributed.agree import disagreement
 
 __all__ = ["CacheStats", "CachedDataset"]
 
@@ -222,20 +223,19 @@ class CachedDataset(Dataset[Any]):
         if not distributed:
             raise ValueError(f"reduce must be one of {_REDUCTIONS}, got {reduce!r}")
         node = idist.get_node_rank()
-        code = _REDUCTIONS.index(reduce) if reduce in _REDUCTIONS else -1
-        mine = torch.tensor([code, node, *own], dtype=torch.int64)
-        gathered = idist.all_gather(mine)
-        assert isinstance(gathered, torch.Tensor)
-        rows = gathered.reshape(-1, mine.numel())
-        codes = rows[:, 0].tolist()
-        if code < 0 or any(c != code for c in codes):
-            asked = {r: (_REDUCTIONS[c] if c >= 0 else "invalid") for r, c in enumerate(codes)}
-            raise ValueError(
-                f"reduce must be one of {_REDUCTIONS} and the same on every rank; got {reduce!r} here, by rank: {asked}"
-            )
-        if reduce == "node":
-            rows = rows[rows[:, 1] == node]
-        hits, misses, entries, nbytes = (int(v) for v in rows[:, 2:].sum(dim=0))
+
+        def mine() -> tuple[str, int, tuple[int, int, int, int]]:
+            if reduce not in _REDUCTIONS:
+                raise ValueError(f"reduce must be one of {_REDUCTIONS}, got {reduce!r}")
+            return reduce, node, own
+
+        def differ(rows: list[tuple[str, int, tuple[int, int, int, int]]]) -> str | None:
+            asked = disagreement([r[0] for r in rows])
+            return None if asked is None else f"every rank must pass the same reduce; by rank: {asked}"
+
+        rows = agree(mine, "reducing the cache stats", check=differ)
+        picked = [counters for _, nd, counters in rows if reduce == "world" or nd == node]
+        hits, misses, entries, nbytes = (sum(column) for column in zip(*picked, strict=True))
         return CacheStats(hits, misses, entries, nbytes)
 
     def close(self) -> None:
@@ -250,27 +250,20 @@ class CachedDataset(Dataset[Any]):
 def _node_arena(n: int, capacity_bytes: int | None) -> Arena:
     """Create the node's arena on its local rank 0 and attach it on the other ranks of the node (collective)."""
     node, local_rank = idist.get_node_rank(), idist.get_local_rank()
-    arena: Arena | None = None
-    error: BaseException | None = None
-    report = ""
-    if local_rank == 0:
-        try:
-            arena = Arena.create(n, capacity_bytes, rows=idist.get_nproc_per_node())
-            report = arena.path
-        except Exception as exc:  # reported to every rank, so none waits for a cache that does not exist
-            error, report = exc, f"{type(exc).__name__}: {exc}"
-    gathered = idist.all_gather(f"{node}|{local_rank}|{n}|{int(error is not None)}|{report}")
-    assert isinstance(gathered, list)
-    entries = [str(g).split("|", 4) for g in gathered]
-    failed = [f"node {e[0]}: {e[4]}" for e in entries if e[3] == "1"]
-    lengths = {(e[0], e[2]) for e in entries}
-    if len(lengths) != len({e[0] for e in entries}):
-        raise ValueError(f"ranks of one node wrap datasets of different lengths (node, length): {sorted(lengths)}")
-    if error is not None:
-        raise error
-    if failed:
-        raise RuntimeError("the node cache could not be created: " + "; ".join(failed))
-    if arena is None:
-        path = next(e[4] for e in entries if e[0] == str(node) and e[1] == "0")
-        arena = Arena.attach(path)
-    return arena
+    created: list[Arena] = []
+
+    def setup() -> tuple[int, int, int, str]:
+        if local_rank == 0:
+            created.append(Arena.create(n, capacity_bytes, rows=idist.get_nproc_per_node()))
+        return node, local_rank, n, created[0].path if created else ""
+
+    def lengths_differ(entries: list[tuple[int, int, int, str]]) -> str | None:
+        lengths = sorted({(e[0], e[2]) for e in entries})
+        if len(lengths) == len({e[0] for e in entries}):
+            return None
+        return f"ranks of one node wrap datasets of different lengths (node, length): {lengths}"
+
+    entries = agree(setup, "creating the node cache", check=lengths_differ)
+    if created:
+        return created[0]
+    return Arena.attach(next(path for nd, lr, _, path in entries if nd == node and lr == 0))

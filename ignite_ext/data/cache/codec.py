@@ -6,8 +6,8 @@ dtype's name, shape and where its bytes are; a container node holds its children
 so unpickling it imports no class and costs about a microsecond. Tensors and
 arrays are never pickled, so encoding is a single memory copy of their bytes. Decoding copies them back into fresh
 tensors and arrays, except that buffers of :data:`LENDABLE` bytes or more are offered to a ``borrow`` callback first,
-which may return a private copy-on-write view of them instead (:mod:`ignite_ext.data._cow`): either way what a caller
-gets never aliases the buffer it was decoded from.
+which may return a private copy-on-write view of them instead (:mod:`ignite_ext.data.cache._cow`): either way what
+a caller gets never aliases the buffer it was decoded from.
 
 Layout of one encoded sample::
 
@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ignite_ext.data._cow import PAGE
+from ignite_ext.data.cache._cow import PAGE
 
 __all__ = ["LENDABLE", "Encoded", "decode", "encode"]
 
@@ -71,7 +71,7 @@ class Encoded:
 
     Examples:
         >>> import torch
-        >>> from ignite_ext.data._codec import decode, encode
+        >>> from ignite_ext.data.cache.codec import decode, encode
         >>> enc = encode({"x": torch.arange(4), "y": 1})
         >>> buf = bytearray(enc.nbytes)
         >>> enc.write_into(memoryview(buf))
@@ -150,7 +150,7 @@ def encode(sample: Any) -> Encoded:
 
     Examples:
         >>> import numpy as np
-        >>> from ignite_ext.data._codec import encode
+        >>> from ignite_ext.data.cache.codec import encode
         >>> encode(np.zeros(1000, dtype=np.float32)).nbytes  # 4000 bytes of data after a 64-byte header
         4064
 
@@ -234,7 +234,7 @@ def decode(buf: memoryview, borrow: Borrow | None = None) -> Any:
         ValueError: ``buf`` does not start with an encoded sample.
 
     Examples:
-        >>> from ignite_ext.data._codec import decode, encode
+        >>> from ignite_ext.data.cache.codec import decode, encode
         >>> enc = encode(("label", 3, b"raw"))
         >>> buf = bytearray(enc.nbytes)
         >>> enc.write_into(memoryview(buf))

@@ -2,7 +2,7 @@
 
 Only the standard library is used (:mod:`urllib.request`), so ``http``, ``https`` and ``file`` URLs work
 wherever Python does, proxies and redirects included. This module knows nothing about files on disk:
-:mod:`ignite_ext.data.download` decides where the bytes go.
+:mod:`ignite_ext.data.download.fetch` decides where the bytes go.
 
 .. versionadded:: 0.1.0
 """
@@ -22,6 +22,8 @@ import urllib.request
 from dataclasses import dataclass
 from email.message import Message
 from typing import IO
+
+from ignite_ext.errors import IgniteExtError
 
 __all__ = [
     "BACKOFF_BASE_S",
@@ -51,7 +53,7 @@ _UNSATISFIED_RANGE = re.compile(r"bytes\s+\*/(\d+)", re.IGNORECASE)
 _USER_AGENT = "ignite_ext-download"
 
 
-class RetryableError(Exception):
+class RetryableError(IgniteExtError):
     """A transient failure (connection, timeout, short body, 5xx, 429): the same URL may work later.
 
     Args:
@@ -59,7 +61,7 @@ class RetryableError(Exception):
         retry_after: the server's ``Retry-After`` in seconds, when it sent a usable one.
 
     Examples:
-        >>> from ignite_ext.data._http import RetryableError
+        >>> from ignite_ext.data.download._http import RetryableError
         >>> RetryableError("http://host/a: HTTP 503", retry_after=2.0).retry_after
         2.0
 
@@ -71,7 +73,7 @@ class RetryableError(Exception):
         self.retry_after = retry_after
 
 
-class FatalHTTPError(Exception):
+class FatalHTTPError(IgniteExtError):
     """A failure that retrying the same URL cannot fix (404 and the other 4xx but 429).
 
     Args:
@@ -79,7 +81,7 @@ class FatalHTTPError(Exception):
         status: the HTTP status code.
 
     Examples:
-        >>> from ignite_ext.data._http import FatalHTTPError
+        >>> from ignite_ext.data.download._http import FatalHTTPError
         >>> FatalHTTPError("http://host/a: HTTP 404 Not Found", 404).status
         404
 
@@ -101,7 +103,7 @@ class Validator:
 
     Examples:
         >>> from email.message import Message
-        >>> from ignite_ext.data._http import Validator
+        >>> from ignite_ext.data.download._http import Validator
         >>> headers = Message()
         >>> headers["ETag"] = 'W/"weak"'
         >>> headers["Last-Modified"] = "Mon, 30 Nov 2026 08:00:00 GMT"
@@ -141,7 +143,7 @@ class Response:
 
     Examples:
         >>> import io
-        >>> from ignite_ext.data._http import Response, Validator
+        >>> from ignite_ext.data.download._http import Response, Validator
         >>> Response(io.BytesIO(b"rest"), offset=10, total=14, validator=Validator(etag='"v1"')).complete
         False
 
@@ -162,7 +164,7 @@ def check_scheme(url: str) -> None:
         url: the URL to check.
 
     Examples:
-        >>> from ignite_ext.data._http import check_scheme
+        >>> from ignite_ext.data.download._http import check_scheme
         >>> check_scheme("https://example.org/a.bin")
         >>> check_scheme("ftp://example.org/a.bin")
         Traceback (most recent call last):
@@ -189,7 +191,7 @@ def backoff_delay(attempt: int, retry_after: float | None = None) -> float:
         retry_after: the server's ``Retry-After`` in seconds, if any.
 
     Examples:
-        >>> from ignite_ext.data._http import backoff_delay
+        >>> from ignite_ext.data.download._http import backoff_delay
         >>> backoff_delay(3, retry_after=5.0)
         5.0
         >>> 8.0 <= backoff_delay(3) <= 9.0  # base 1 s: 1 * 2**3 plus up to 1 s of jitter
@@ -227,7 +229,7 @@ def open_range(url: str, offset: int, validator: Validator | None, timeout: floa
     Examples:
         >>> import tempfile
         >>> from pathlib import Path
-        >>> from ignite_ext.data._http import open_range
+        >>> from ignite_ext.data.download._http import open_range
         >>> with tempfile.TemporaryDirectory() as tmp:
         ...     source = Path(tmp, "a.txt")
         ...     _ = source.write_bytes(b"hello")

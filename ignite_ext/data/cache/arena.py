@@ -28,37 +28,21 @@ import contextlib
 import fcntl
 import mmap
 import os
-import re
 import secrets
 import threading
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ignite_ext.data._cow import PAGE, CowMap
-from ignite_ext.data._proc import pid_alive
+from ignite_ext._fs import pid_alive
+from ignite_ext.data.cache import shm
+from ignite_ext.data.cache._cow import PAGE, CowMap
+from ignite_ext.data.cache.shm import MIN_CAPACITY, SHM_DIR, remove_files
+from ignite_ext.errors import ShmSpaceError
 
-__all__ = [
-    "DEFAULT_FRACTION",
-    "MIN_CAPACITY",
-    "SHM_DIR",
-    "Arena",
-    "ShmSpaceError",
-    "available_bytes",
-    "mapped_pss",
-    "promised_bytes",
-    "sweep_stale",
-]
+__all__ = ["MAX_WORKERS", "Arena"]
 
-#: Where arenas live: a tmpfs, so their pages are RAM shared by every process that maps them.
-SHM_DIR = "/dev/shm"
-#: Share of the free space of :data:`SHM_DIR` that a cache takes by default.
-DEFAULT_FRACTION = 0.5
-#: Smallest data capacity worth creating a cache for.
-MIN_CAPACITY = 1 << 20
-
-_NAME_RE = re.compile(r"^ignite_ext_(\d+)_cache_[0-9a-f]+\.(arena|lock)$")
 _MAGIC = 0x49474E4954455843  # "IGNITEXC"
 _VERSION = 1
 _HEADER_BYTES = 4096
@@ -78,160 +62,8 @@ _SLOTS_PER_ROW = MAX_WORKERS + 2
 _SHARED_SLOT = _SLOTS_PER_ROW - 1
 
 
-class ShmSpaceError(RuntimeError):
-    """``/dev/shm`` cannot hold the requested cache.
-
-    Examples:
-        >>> from ignite_ext.data._shm import ShmSpaceError
-        >>> issubclass(ShmSpaceError, RuntimeError)
-        True
-
-    .. versionadded:: 0.1.0
-    """
-
-
 def _aligned(n: int, align: int = _ALIGN) -> int:
     return (n + align - 1) // align * align
-
-
-def available_bytes(directory: str = SHM_DIR) -> int:
-    """Bytes an unprivileged process may still allocate in ``directory``.
-
-    Examples:
-        >>> from ignite_ext.data._shm import available_bytes
-        >>> available_bytes() > 0
-        True
-
-    .. versionadded:: 0.1.0
-    """
-    st = os.statvfs(directory)
-    return st.f_bavail * st.f_frsize
-
-
-def promised_bytes(directory: str = SHM_DIR) -> int:
-    """Bytes that the cache arenas in ``directory`` may still allocate: their capacity not yet backed by pages.
-
-    Examples:
-        >>> import os, tempfile
-        >>> from ignite_ext.data._shm import SHM_DIR, Arena, promised_bytes
-        >>> directory = tempfile.mkdtemp(dir=SHM_DIR)
-        >>> arena = Arena.create(n=1, capacity=1 << 20, directory=directory)
-        >>> promised_bytes(directory) > 1_000_000  # the whole data area: no sample stored yet
-        True
-        >>> arena.close()
-        >>> os.rmdir(directory)
-
-    .. versionadded:: 0.1.0
-    """
-    total = 0
-    with contextlib.suppress(FileNotFoundError), os.scandir(directory) as entries:
-        for entry in entries:
-            if entry.name.endswith(".arena") and _NAME_RE.match(entry.name):
-                with contextlib.suppress(FileNotFoundError):
-                    st = entry.stat()
-                    total += max(0, st.st_size - st.st_blocks * 512)
-    return total
-
-
-def sweep_stale(directory: str = SHM_DIR) -> list[str]:
-    """Delete the arenas (and lock files) of caches whose creating process is gone; return the removed paths.
-
-    An arena is only removed when both its creator pid is dead and nobody holds its liveness lock, so an arena
-    of a live process (also one in another pid namespace sharing this tmpfs) is never touched.
-
-    Examples:
-        >>> from ignite_ext.data._shm import sweep_stale
-        >>> isinstance(sweep_stale(), list)
-        True
-
-    .. versionadded:: 0.1.0
-    """
-    removed: list[str] = []
-    try:
-        names = os.listdir(directory)
-    except FileNotFoundError:
-        return removed
-    me = os.getpid()
-    for name in sorted(names):
-        match = _NAME_RE.match(name)
-        if match is None or int(match.group(1)) == me or pid_alive(int(match.group(1))):
-            continue
-        path = os.path.join(directory, name)
-        if match.group(2) == "arena":
-            if not _unused(path):
-                continue
-            removed += _unlink([path, path[: -len(".arena")] + ".lock"])
-        elif not os.path.exists(path[: -len(".lock")] + ".arena"):
-            removed += _unlink([path])
-    return removed
-
-
-@contextlib.contextmanager
-def _directory_lock(directory: str) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on ``directory`` itself (no lock file to leave behind; released if we die)."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            # Explicitly: a process forked meanwhile (another thread's DataLoader) shares the descriptor's lock,
-            # and closing our descriptor alone would leave it held until that process exits.
-            fcntl.flock(fd, fcntl.LOCK_UN)
-    finally:
-        os.close(fd)
-
-
-def _unused(path: str) -> bool:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    finally:
-        os.close(fd)
-    return True
-
-
-def _unlink(paths: Iterable[str]) -> list[str]:
-    done = []
-    for path in paths:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-            done.append(path)
-    return done
-
-
-def mapped_pss(path: str, pids: Iterable[int]) -> int:
-    """Sum, over ``pids``, of the proportional set size (bytes) of their mappings of ``path``.
-
-    Shared pages count ``1/k`` in each of the ``k`` processes mapping them, so the sum is the memory the file's
-    mapped pages really take, however many processes map it.
-
-    Examples:
-        >>> import os
-        >>> from ignite_ext.data._shm import mapped_pss
-        >>> mapped_pss("/nonexistent", [os.getpid()])
-        0
-
-    .. versionadded:: 0.1.0
-    """
-    total = 0
-    for pid in pids:
-        inside = False
-        try:
-            with open(f"/proc/{pid}/smaps") as f:
-                for line in f:
-                    if not line[0].isupper():  # a mapping's first line starts with its hex address range
-                        inside = line.rstrip("\n").endswith(" " + path)
-                    elif inside and line.startswith("Pss:"):
-                        total += int(line.split()[1]) * 1024
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-    return total
 
 
 @dataclass
@@ -323,7 +155,7 @@ def _finalize(path: str, creator: int, liveness_fd: int) -> None:
     # Forked children inherit the finalizer registry: only the creating process may delete the files.
     if os.getpid() != creator:
         return
-    _unlink([path, path[: -len(".arena")] + ".lock"])
+    remove_files([path, path[: -len(".arena")] + ".lock"])
     with contextlib.suppress(OSError):
         os.close(liveness_fd)
 
@@ -336,7 +168,7 @@ class Arena:
     forked process reopens its own lock descriptor (a ``flock`` shared with the parent would not exclude it).
 
     Examples:
-        >>> from ignite_ext.data._shm import Arena
+        >>> from ignite_ext.data.cache.arena import Arena
         >>> arena = Arena.create(n=4, capacity=1 << 20)
         >>> offset = arena.reserve(0, 3)
         >>> arena.data_view(offset, 3)[:] = b"abc"
@@ -365,14 +197,14 @@ class Arena:
 
         Args:
             n: number of dataset indices.
-            capacity: bytes of sample data; ``None`` takes :data:`DEFAULT_FRACTION` of the free space.
+            capacity: bytes of sample data; ``None`` takes :data:`~.shm.DEFAULT_FRACTION` of the free space.
             rows: number of counter rows (one per rank sharing the arena).
             directory: the tmpfs to create it in.
             share: with ``capacity=None``, the number of caches being created together that split the default
                 (the ranks of a node, each creating its own): each takes ``1/share`` of it.
 
         Raises:
-            ShmSpaceError: the tmpfs lacks room for the table plus ``capacity`` (or plus :data:`MIN_CAPACITY`
+            ShmSpaceError: the tmpfs lacks room for the table plus ``capacity`` (or plus :data:`~.shm.MIN_CAPACITY`
                 when ``capacity`` is ``None``).
             ValueError: ``n`` is negative or ``capacity`` not positive.
         """
@@ -382,16 +214,16 @@ class Arena:
             raise ValueError(f"capacity_bytes must be positive, got {capacity}")
         if not os.path.isdir(directory):
             raise ShmSpaceError(f"{directory} does not exist: the cache needs a tmpfs for shared memory")
-        with _directory_lock(directory):  # concurrent creators must see each other's claims
-            sweep_stale(directory)
+        with shm.directory_lock(directory):  # concurrent creators must see each other's claims
+            shm.sweep_stale(directory)
             table_off = _HEADER_BYTES
             stats_off = _aligned(table_off + n * _ENTRY_WORDS * 8)
             data_off = _aligned(stats_off + rows * _SLOTS_PER_ROW * _SLOT_WORDS * 8, PAGE)  # see borrow()
-            free = available_bytes(directory)
+            free = shm.available_bytes(directory)
             if capacity is None:
                 # Arenas fill lazily: what live caches may still claim is not free for a new default.
-                unclaimed = free - promised_bytes(directory)
-                capacity = int((unclaimed - data_off) * DEFAULT_FRACTION / max(1, share)) // _ALIGN * _ALIGN
+                unclaimed = free - shm.promised_bytes(directory)
+                capacity = int((unclaimed - data_off) * shm.DEFAULT_FRACTION / max(1, share)) // _ALIGN * _ALIGN
                 if capacity < MIN_CAPACITY:
                     raise ShmSpaceError(
                         f"{directory} has {free} bytes free, {unclaimed} of them not promised to other caches; a cache "
@@ -503,7 +335,7 @@ class Arena:
         """Hand out ``nbytes`` of the data area for ``index``; ``None`` if it is already published or no room.
 
         The range starts at a multiple of 64 bytes or, with ``page_offset`` (a multiple of 64), ``page_offset``
-        bytes before a page boundary of the file (see :attr:`~ignite_ext.data._codec.Encoded.page_offset`).
+        bytes before a page boundary of the file (see :attr:`~ignite_ext.data.cache.codec.Encoded.page_offset`).
         """
         local = self._mapped()
         header = local.header

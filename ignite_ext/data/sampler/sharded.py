@@ -16,253 +16,26 @@ and resumable state.
 
 from __future__ import annotations
 
-import hashlib
-import operator
 import warnings
 from collections.abc import Iterator, Mapping, Sized
-from typing import Any, Literal, SupportsIndex, cast
+from typing import Any, Literal, cast
 
-import torch
 from torch.utils.data import Dataset, DistributedSampler
 
 import ignite_ext.distributed as idist
+from ignite_ext.data.sampler.indices import (
+    check_index,
+    check_int,
+    node_shard_indices,
+    samples_per_replica,
+    shard_indices,
+)
 
-__all__ = [
-    "ShardedDistributedSampler",
-    "node_shard_indices",
-    "samples_per_replica",
-    "shard_bounds",
-    "shard_indices",
-]
+__all__ = ["ShardedDistributedSampler"]
 
 _SHARD_BY: tuple[str, ...] = ("rank", "node")
 # A saved position names the same samples only if all of these match; otherwise its epoch restarts.
 _LAYOUT_KEYS = ("dataset_len", "num_replicas", "shard_by", "num_shards", "seed", "shuffle", "drop_last")
-
-
-def _check_int(name: str, value: object, minimum: int | None = None) -> int:
-    # operator.index accepts numpy and torch integers (an epoch counter often is one) and refuses floats; bool is
-    # refused separately because True as a rank or a size is always a mistake.
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        number = operator.index(cast(SupportsIndex, value))
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}: {value!r}") from None
-    if minimum is not None and number < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {number}")
-    return number
-
-
-def _check_index(name: str, value: object, size_name: str, size: int) -> int:
-    value = _check_int(name, value)
-    if not 0 <= value < size:
-        raise ValueError(f"{name}={value} is out of range for {size_name}={size} (expected 0 <= {name} < {size})")
-    return value
-
-
-def shard_bounds(n: int, num_shards: int, shard: int) -> tuple[int, int]:
-    """Return the half-open range ``[start, stop)`` of dataset indices owned by one shard.
-
-    The ``n`` indices are cut into ``num_shards`` contiguous blocks whose sizes differ by at most one; the
-    first ``n % num_shards`` blocks hold the extra sample. With ``n < num_shards`` the last shards are empty.
-
-    Args:
-        n: dataset size, ``>= 0``.
-        num_shards: number of shards, ``>= 1``.
-        shard: which shard, ``0 <= shard < num_shards``.
-
-    Returns:
-        ``(start, stop)`` with ``stop - start`` equal to ``n // num_shards`` or one more.
-
-    Raises:
-        ValueError: an argument is out of range.
-        TypeError: an argument is not an int.
-
-    Examples:
-        >>> from ignite_ext.data.sampler import shard_bounds
-        >>> [shard_bounds(10, 3, s) for s in range(3)]
-        [(0, 4), (4, 7), (7, 10)]
-        >>> shard_bounds(2, 4, 3)
-        (2, 2)
-
-    .. versionadded:: 0.1.0
-    """
-    n = _check_int("n", n, 0)
-    num_shards = _check_int("num_shards", num_shards, 1)
-    shard = _check_index("shard", shard, "num_shards", num_shards)
-    base, extra = divmod(n, num_shards)
-    start = shard * base + min(shard, extra)
-    return start, start + base + (1 if shard < extra else 0)
-
-
-def samples_per_replica(n: int, num_replicas: int, drop_last: bool = False) -> int:
-    """Return how many indices every replica yields per epoch: ``ceil(n / R)``, or ``floor(n / R)`` with ``drop_last``.
-
-    This is the same length as :class:`torch.utils.data.DistributedSampler` gives, so swapping samplers keeps
-    the number of iterations per epoch.
-
-    Args:
-        n: dataset size, ``>= 0``.
-        num_replicas: number of replicas ``R``, ``>= 1``.
-        drop_last: round down instead of up.
-
-    Returns:
-        The per-replica, per-epoch number of indices.
-
-    Examples:
-        >>> from ignite_ext.data.sampler import samples_per_replica
-        >>> samples_per_replica(10, 4), samples_per_replica(10, 4, drop_last=True)
-        (3, 2)
-
-    .. versionadded:: 0.1.0
-    """
-    n = _check_int("n", n, 0)
-    num_replicas = _check_int("num_replicas", num_replicas, 1)
-    return n // num_replicas if drop_last else -(-n // num_replicas)
-
-
-def _shard_seed(seed: int, epoch: int, shard: int) -> int:
-    # Hash the triple rather than add seed + epoch: with a sum, (seed=0, epoch=1) and (seed=1, epoch=0) would
-    # shuffle alike, and shard s of one epoch would collide with shard s-1 of the next.
-    digest = hashlib.blake2b(f"{seed}:{epoch}:{shard}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
-
-
-def _epoch_order(n: int, num_shards: int, shard: int, length: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
-    start, stop = shard_bounds(n, num_shards, shard)
-    if start == stop and length > 0:
-        # An empty shard (only possible when n < num_shards) has nothing of its own to pad with; it borrows one
-        # fixed sample so that its set, like every other shard's, is the same in every epoch.
-        start, stop = shard % n, shard % n + 1
-    own = list(range(start, stop))
-    size = len(own)
-    if length <= size:
-        # Drop a window of positions that moves on by its own width each epoch, so that over ceil(size / drop)
-        # epochs every sample of the shard is yielded.
-        drop = size - length
-        dropped = {(epoch * drop + j) % size for j in range(drop)}
-        kept = [idx for pos, idx in enumerate(own) if pos not in dropped]
-    else:
-        # Pad with the shard's own samples, a different window each epoch, never with another shard's samples.
-        pad = length - size
-        kept = own + [own[(epoch * pad + j) % size] for j in range(pad)]
-    if not shuffle:
-        return kept
-    generator = torch.Generator()
-    generator.manual_seed(_shard_seed(seed, epoch, shard))
-    return [kept[i] for i in torch.randperm(length, generator=generator).tolist()]
-
-
-def shard_indices(
-    n: int,
-    num_shards: int,
-    shard: int,
-    seed: int = 0,
-    epoch: int = 0,
-    drop_last: bool = False,
-    shuffle: bool = True,
-) -> list[int]:
-    """Return the indices one shard yields in one epoch, in order (``shard_by="rank"``).
-
-    The shard is :func:`shard_bounds` ``(n, num_shards, shard)`` in every epoch. It yields exactly
-    :func:`samples_per_replica` ``(n, num_shards, drop_last)`` indices:
-
-    * a shard one short of that pads with its own samples, a different one each epoch (``(epoch + j) % size``);
-    * a shard one over (``drop_last=True``) leaves out one of its own samples, a different one each epoch, so
-      every sample is yielded in all but one of any ``size`` consecutive epochs;
-    * an empty shard (``n < num_shards`` and ``drop_last=False``) repeats sample ``shard % n`` in every epoch.
-
-    With ``shuffle`` the order is a permutation drawn from a generator seeded by a hash of
-    ``(seed, epoch, shard)``: the same in every process, different between epochs and shards. Without it the
-    shard's samples come in ascending order, followed by the padding.
-
-    Args:
-        n: dataset size, ``>= 0``.
-        num_shards: number of shards (replicas), ``>= 1``.
-        shard: this shard, ``0 <= shard < num_shards``.
-        seed: base seed, the same on every replica.
-        epoch: epoch number.
-        drop_last: yield ``floor(n / num_shards)`` instead of ``ceil``.
-        shuffle: shuffle the order within the shard.
-
-    Returns:
-        The epoch's indices for this shard.
-
-    Examples:
-        >>> from ignite_ext.data.sampler import shard_indices
-        >>> [shard_indices(10, 3, s, shuffle=False) for s in range(3)]
-        [[0, 1, 2, 3], [4, 5, 6, 4], [7, 8, 9, 7]]
-        >>> [shard_indices(10, 3, 1, epoch=e, shuffle=False) for e in range(3)]
-        [[4, 5, 6, 4], [4, 5, 6, 5], [4, 5, 6, 6]]
-        >>> sorted(shard_indices(10, 3, 0, epoch=5))
-        [0, 1, 2, 3]
-
-    .. versionadded:: 0.1.0
-    """
-    length = samples_per_replica(n, num_shards, drop_last)
-    shard = _check_index("shard", shard, "num_shards", num_shards)
-    return _epoch_order(n, num_shards, shard, length, _check_int("seed", seed), _check_int("epoch", epoch), shuffle)
-
-
-def node_shard_indices(
-    n: int,
-    nnodes: int,
-    node_rank: int,
-    nproc_per_node: int,
-    local_rank: int,
-    seed: int = 0,
-    epoch: int = 0,
-    drop_last: bool = False,
-    shuffle: bool = True,
-) -> list[int]:
-    """Return the indices one process yields in one epoch when shards belong to nodes (``shard_by="node"``).
-
-    Node ``node_rank`` owns :func:`shard_bounds` ``(n, nnodes, node_rank)`` in every epoch. Each epoch the node's
-    shard is padded or trimmed (same rules as :func:`shard_indices`) to ``nproc_per_node * L`` indices, where
-    ``L`` is :func:`samples_per_replica` ``(n, nnodes * nproc_per_node, drop_last)``, shuffled with a generator
-    seeded by ``(seed, epoch, node_rank)`` and dealt out strided: local rank ``l`` takes positions
-    ``l, l + P, l + 2P, ...``. So every sample a node needs stays on that node, while which of the node's
-    processes loads it changes from epoch to epoch.
-
-    Args:
-        n: dataset size, ``>= 0``.
-        nnodes: number of nodes, ``>= 1``.
-        node_rank: this node, ``0 <= node_rank < nnodes``.
-        nproc_per_node: processes per node ``P``, ``>= 1`` (the same on every node).
-        local_rank: this process on its node, ``0 <= local_rank < P``.
-        seed: base seed, the same on every process.
-        epoch: epoch number.
-        drop_last: yield ``floor(n / (nnodes * P))`` instead of ``ceil``.
-        shuffle: shuffle the node's shard before dealing it.
-
-    Returns:
-        The epoch's indices for this process.
-
-    Examples:
-        >>> from ignite_ext.data.sampler import node_shard_indices
-        >>> [node_shard_indices(8, 2, 0, 2, lr, shuffle=False) for lr in range(2)]
-        [[0, 2], [1, 3]]
-        >>> sorted(node_shard_indices(8, 2, 1, 2, 0) + node_shard_indices(8, 2, 1, 2, 1))
-        [4, 5, 6, 7]
-
-    .. versionadded:: 0.1.0
-    """
-    nnodes = _check_int("nnodes", nnodes, 1)
-    nproc_per_node = _check_int("nproc_per_node", nproc_per_node, 1)
-    node_rank = _check_index("node_rank", node_rank, "nnodes", nnodes)
-    local_rank = _check_index("local_rank", local_rank, "nproc_per_node", nproc_per_node)
-    length = samples_per_replica(n, nnodes * nproc_per_node, drop_last)
-    order = _epoch_order(
-        n,
-        nnodes,
-        node_rank,
-        nproc_per_node * length,
-        _check_int("seed", seed),
-        _check_int("epoch", epoch),
-        shuffle,
-    )
-    return order[local_rank::nproc_per_node]
 
 
 class ShardedDistributedSampler(DistributedSampler[int]):
@@ -377,14 +150,14 @@ class ShardedDistributedSampler(DistributedSampler[int]):
             raise TypeError(f"dataset must have a length (a map-style dataset), got {type(dataset).__name__}")
         if shard_by not in _SHARD_BY:
             raise ValueError(f"shard_by must be one of {list(_SHARD_BY)}, got {shard_by!r}")
-        replicas = _check_int("num_replicas", idist.get_world_size() if num_replicas is None else num_replicas, 1)
-        this_rank = _check_index("rank", idist.get_rank() if rank is None else rank, "num_replicas", replicas)
-        seed = _check_int("seed", seed)
+        replicas = check_int("num_replicas", idist.get_world_size() if num_replicas is None else num_replicas, 1)
+        this_rank = check_index("rank", idist.get_rank() if rank is None else rank, "num_replicas", replicas)
+        seed = check_int("seed", seed)
 
         if shard_by == "node":
             if nproc_per_node is None:
                 if nnodes is not None:
-                    nnodes = _check_int("nnodes", nnodes, 1)
+                    nnodes = check_int("nnodes", nnodes, 1)
                     if replicas % nnodes:
                         raise ValueError(f"num_replicas={replicas} is not a multiple of nnodes={nnodes}")
                     nproc_per_node = replicas // nnodes
@@ -396,10 +169,10 @@ class ShardedDistributedSampler(DistributedSampler[int]):
                         f"shard_by='node' with num_replicas={replicas} (the world size is {idist.get_world_size()}) "
                         "needs nnodes or nproc_per_node"
                     )
-            nproc_per_node = _check_int("nproc_per_node", nproc_per_node, 1)
+            nproc_per_node = check_int("nproc_per_node", nproc_per_node, 1)
             if nnodes is None:
                 nnodes = replicas // nproc_per_node if num_replicas is not None else idist.get_nnodes()
-            nnodes = _check_int("nnodes", nnodes, 1)
+            nnodes = check_int("nnodes", nnodes, 1)
             if nnodes * nproc_per_node != replicas:
                 raise ValueError(
                     f"shard_by='node' needs the same number of processes on every node: nnodes={nnodes} x "
@@ -410,8 +183,8 @@ class ShardedDistributedSampler(DistributedSampler[int]):
                 node_rank = this_rank // nproc_per_node if rank is not None else idist.get_node_rank()
             if local_rank is None:
                 local_rank = this_rank % nproc_per_node if rank is not None else idist.get_local_rank()
-            node_rank = _check_index("node_rank", node_rank, "nnodes", nnodes)
-            local_rank = _check_index("local_rank", local_rank, "nproc_per_node", nproc_per_node)
+            node_rank = check_index("node_rank", node_rank, "nnodes", nnodes)
+            local_rank = check_index("local_rank", local_rank, "nproc_per_node", nproc_per_node)
         else:
             node_args = {
                 "nnodes": nnodes,
@@ -528,7 +301,7 @@ class ShardedDistributedSampler(DistributedSampler[int]):
 
         .. versionadded:: 0.1.0
         """
-        epoch = _check_int("epoch", epoch)
+        epoch = check_int("epoch", epoch)
         if epoch != self.epoch:
             self.epoch = epoch
             self._start = self._yielded = 0
@@ -560,7 +333,7 @@ class ShardedDistributedSampler(DistributedSampler[int]):
 
         .. versionadded:: 0.1.0
         """
-        self._consumed = min(_check_int("consumed", consumed, 0), self.num_samples)
+        self._consumed = min(check_int("consumed", consumed, 0), self.num_samples)
 
     def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
         """Return the position in the current epoch, to be restored with :meth:`load_state_dict`.
@@ -590,7 +363,7 @@ class ShardedDistributedSampler(DistributedSampler[int]):
         """
         if consumed is None:
             consumed = self._consumed if self._consumed is not None else self._yielded
-        consumed = min(_check_int("consumed", consumed, 0), self.num_samples)
+        consumed = min(check_int("consumed", consumed, 0), self.num_samples)
         return {
             "epoch": self.epoch,
             "consumed": consumed,
@@ -633,8 +406,8 @@ class ShardedDistributedSampler(DistributedSampler[int]):
         missing = [key for key in ("epoch", "consumed") if key not in state_dict]
         if missing:
             raise ValueError(f"not a ShardedDistributedSampler state: missing {missing}")
-        epoch = _check_int("epoch", state_dict["epoch"])
-        consumed = _check_int("consumed", state_dict["consumed"], 0)
+        epoch = check_int("epoch", state_dict["epoch"])
+        consumed = check_int("consumed", state_dict["consumed"], 0)
         mine = self.state_dict(consumed=0)
         changed = [key for key in _LAYOUT_KEYS if key in state_dict and state_dict[key] != mine[key]]
         if changed:

@@ -51,7 +51,7 @@ class CowMap:
 
     Examples:
         >>> import os, tempfile
-        >>> from ignite_ext.data._cow import PAGE, CowMap
+        >>> from ignite_ext.data.cache._cow import PAGE, CowMap
         >>> fd, path = tempfile.mkstemp(dir="/dev/shm")
         >>> os.write(fd, b"a" * 2 * PAGE)
         8192

@@ -3,6 +3,8 @@
 The set is ten classes of 3x16x16 images (a class is a colour and a stripe direction, plus noise), one
 ``torch.save`` file per sample in an ImageFolder-like layout, packed as ``shapes.tar.gz``: reading a sample
 means opening and decoding a file, which is what the cache saves after the first epoch.
+
+.. versionadded:: 0.2.0
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def make_archive(directory: Path, train: int = 2400, val: int = 600, seed: int =
 
     Examples:
         >>> import tempfile, pathlib
-        >>> from ignite_ext.demo._data import make_archive
+        >>> from ignite_ext.demo.data import make_archive
         >>> with tempfile.TemporaryDirectory() as d:
         ...     make_archive(pathlib.Path(d), train=20, val=10).name
         'shapes.tar.gz'
@@ -124,7 +126,7 @@ class CountingServer(http.server.ThreadingHTTPServer):
 
     Examples:
         >>> import tempfile, pathlib, urllib.request
-        >>> from ignite_ext.demo._data import CountingServer
+        >>> from ignite_ext.demo.data import CountingServer
         >>> with tempfile.TemporaryDirectory() as d:
         ...     _ = (pathlib.Path(d) / "f").write_bytes(b"12345")
         ...     with CountingServer(pathlib.Path(d)) as server:

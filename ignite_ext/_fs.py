@@ -1,0 +1,341 @@
+"""File helpers that downloads, extraction and the cache share: locks, durable renames, atomic JSON, orphans.
+
+Standard library only at import time (the lock imports :mod:`filelock` when first taken), and nothing here needs
+``fcntl``, so the download path imports on every platform.
+
+Who made a file is part of its name: ``<host>.<pid>.<random>`` (:func:`owner_tag`). A later scan
+(:func:`orphans`) tells from that name whether its writer is gone: a pid of this host that no longer runs, or, for
+another host (whose pids cannot be checked), a file left untouched for a given age.
+
+.. versionadded:: 0.2.0
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import secrets
+import socket
+import time
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+__all__ = [
+    "OWNER",
+    "Lock",
+    "exclusive",
+    "file_lock",
+    "fsync_dir",
+    "host",
+    "idle",
+    "listdir",
+    "orphans",
+    "owner_gone",
+    "owner_tag",
+    "pid_alive",
+    "read_json",
+    "unlink",
+    "write_json",
+]
+
+#: ``host.pid.random`` in a file name: whoever made it, so that a scan can tell whether that writer still lives.
+OWNER = r"(?P<host>[A-Za-z0-9-]+)\.(?P<pid>\d+)\.(?P<rand>[0-9a-f]{8})"
+# Every waiter re-checks its file under the lock in turn; short polls keep that queue from adding up.
+_POLL_S = 0.01
+
+
+def pid_alive(pid: int) -> bool:
+    """Return whether ``pid`` runs on this host; a zombie (killed, not yet reaped) counts as dead.
+
+    Args:
+        pid: a process id of this host.
+
+    Returns:
+        False when no such process runs (or it is a zombie), True otherwise (also for another user's process).
+
+    Examples:
+        >>> import os
+        >>> from ignite_ext._fs import pid_alive
+        >>> pid_alive(os.getpid())
+        True
+
+    .. versionadded:: 0.2.0
+    """
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    try:  # a killed child that its parent has not reaped yet is a zombie: it will never write again
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
+
+
+def host() -> str:
+    """This host's name, reduced to the characters :data:`OWNER` allows.
+
+    Examples:
+        >>> import re
+        >>> from ignite_ext._fs import host
+        >>> bool(re.fullmatch(r"[A-Za-z0-9-]+", host()))
+        True
+
+    .. versionadded:: 0.2.0
+    """
+    return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname()) or "localhost"
+
+
+def owner_tag() -> str:
+    """``host.pid.random``: unique to this writer, and tells a later scan whether the writer still lives.
+
+    Examples:
+        >>> import re
+        >>> from ignite_ext._fs import OWNER, owner_tag
+        >>> bool(re.fullmatch(OWNER, owner_tag()))
+        True
+
+    .. versionadded:: 0.2.0
+    """
+    return f"{host()}.{os.getpid()}.{secrets.token_hex(4)}"
+
+
+def idle(path: Path, max_age_s: float) -> bool:
+    """Whether ``path`` exists and was untouched for ``max_age_s``: the only sign of death for another host's writer.
+
+    Examples:
+        >>> import tempfile
+        >>> from pathlib import Path
+        >>> from ignite_ext._fs import idle
+        >>> with tempfile.NamedTemporaryFile() as f:
+        ...     idle(Path(f.name), 3600.0), idle(Path(f.name), -1.0)
+        (False, True)
+
+    .. versionadded:: 0.2.0
+    """
+    try:
+        return time.time() - path.stat().st_mtime > max_age_s
+    except FileNotFoundError:
+        return False
+
+
+def owner_gone(match: re.Match[str], path: Path, max_age_s: float) -> bool:
+    """Whether the writer named in ``match`` (of :data:`OWNER`) can no longer touch ``path``.
+
+    Examples:
+        >>> import re, tempfile
+        >>> from pathlib import Path
+        >>> from ignite_ext._fs import OWNER, owner_gone, owner_tag
+        >>> with tempfile.NamedTemporaryFile() as f:
+        ...     owner_gone(re.fullmatch(OWNER, owner_tag()), Path(f.name), 3600.0)  # this very process
+        False
+
+    .. versionadded:: 0.2.0
+    """
+    # On Windows os.kill(pid, 0) would send CTRL_C_EVENT, so only the idle-age rule applies there.
+    if match["host"] == host() and os.name != "nt":
+        return not pid_alive(int(match["pid"]))
+    return idle(path, max_age_s)
+
+
+def listdir(directory: Path) -> list[str]:
+    """The names in ``directory``, or none when it cannot be listed.
+
+    Examples:
+        >>> from pathlib import Path
+        >>> from ignite_ext._fs import listdir
+        >>> listdir(Path("/nonexistent"))
+        []
+
+    .. versionadded:: 0.2.0
+    """
+    try:
+        return os.listdir(directory)
+    except OSError:
+        return []
+
+
+def orphans(directory: Path, pattern: re.Pattern[str], max_age_s: float) -> Iterator[tuple[Path, re.Match[str]]]:
+    r"""Entries of ``directory`` named like ``pattern`` (which holds :data:`OWNER`) whose writer is gone.
+
+    Examples:
+        >>> import re, tempfile
+        >>> from pathlib import Path
+        >>> from ignite_ext._fs import OWNER, host, orphans
+        >>> with tempfile.TemporaryDirectory() as tmp:  # a temp file of a pid that does not run on this host
+        ...     _ = Path(tmp, f"x.{host()}.999999999.0123abcd.tmp").write_text("")
+        ...     [p.name.split(".")[2] for p, _ in orphans(Path(tmp), re.compile(rf"x\.{OWNER}\.tmp"), 3600.0)]
+        ['999999999']
+
+    .. versionadded:: 0.2.0
+    """
+    for name in listdir(directory):
+        match = pattern.fullmatch(name)
+        if match is not None and owner_gone(match, directory / name, max_age_s):
+            yield directory / name, match
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a rename in ``directory`` durable (a no-op where directories cannot be opened, e.g. Windows).
+
+    Examples:
+        >>> import tempfile
+        >>> from pathlib import Path
+        >>> from ignite_ext._fs import fsync_dir
+        >>> fsync_dir(Path(tempfile.gettempdir()))
+
+    .. versionadded:: 0.2.0
+    """
+    try:
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def unlink(*paths: Path) -> None:
+    """Delete ``paths``; those already gone are fine.
+
+    Examples:
+        >>> from pathlib import Path
+        >>> from ignite_ext._fs import unlink
+        >>> unlink(Path("/nonexistent/a"), Path("/nonexistent/b"))
+
+    .. versionadded:: 0.2.0
+    """
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    """The JSON object in ``path``, or None when it is missing, unreadable or not an object.
+
+    Examples:
+        >>> from pathlib import Path
+        >>> from ignite_ext._fs import read_json
+        >>> read_json(Path("/nonexistent.json")) is None
+        True
+
+    .. versionadded:: 0.2.0
+    """
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def write_json(path: Path, value: Mapping[str, Any]) -> None:
+    """Replace ``path`` atomically with ``value`` as JSON (readers see the old or the new record, never a torn one).
+
+    Examples:
+        >>> import tempfile
+        >>> from pathlib import Path
+        >>> from ignite_ext._fs import read_json, write_json
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     write_json(Path(tmp, "r.json"), {"a": 1})
+        ...     read_json(Path(tmp, "r.json"))
+        {'a': 1}
+
+    .. versionadded:: 0.2.0
+    """
+    temp = path.with_name(f"{path.name}.{owner_tag()}.tmp")
+    try:
+        temp.write_text(json.dumps(value, sort_keys=True), encoding="utf-8")
+        os.replace(temp, path)
+    finally:
+        unlink(temp)
+
+
+class Lock(Protocol):
+    """What :func:`exclusive` needs of a lock (the shape of :class:`filelock.FileLock`).
+
+    .. versionadded:: 0.2.0
+    """
+
+    def acquire(self, timeout: float | None = None, poll_interval: float = ...) -> object:
+        """Take the lock, waiting up to ``timeout`` seconds (forever when None)."""
+
+    def release(self) -> None:
+        """Give the lock back."""
+
+
+def file_lock(path: str) -> Lock:
+    """An exclusive ``flock`` on ``path`` that the kernel drops when its holder dies.
+
+    Examples:
+        >>> import os, tempfile
+        >>> from ignite_ext._fs import file_lock
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     lock = file_lock(os.path.join(tmp, ".x.lock"))
+        ...     _ = lock.acquire(timeout=1)
+        ...     lock.release()
+
+    .. versionadded:: 0.2.0
+    """
+    import filelock
+
+    try:
+        # A soft lock (a file that exists while held) outlives a SIGKILL; rather no lock than one that blocks.
+        return filelock.FileLock(path, is_singleton=True, fallback_to_soft=False)
+    except TypeError:  # filelock < 4 has no soft fallback to turn off
+        return filelock.FileLock(path, is_singleton=True)
+
+
+#: Makes the lock :func:`exclusive` takes; tests replace it by one that never excludes anyone, to check that
+#: correctness does not rest on the lock.
+lock_factory: Callable[[str], Lock] = file_lock
+
+
+@contextlib.contextmanager
+def exclusive(lock_path: Path, waiting_for: str, logger: logging.Logger) -> Iterator[None]:
+    """Hold the lock on ``lock_path`` if the filesystem allows; log once on ``logger`` when it has to wait.
+
+    A filesystem that cannot lock costs duplicate work, never an error: callers must be correct without the lock.
+
+    Args:
+        lock_path: the lock file (created if missing, left in place).
+        waiting_for: what the wait is for, for the log line.
+        logger: where the line goes.
+
+    Examples:
+        >>> import logging, tempfile
+        >>> from pathlib import Path
+        >>> from ignite_ext._fs import exclusive
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     with exclusive(Path(tmp, ".x.lock"), "a test", logging.getLogger("test")):
+        ...         print("held")
+        held
+
+    .. versionadded:: 0.2.0
+    """
+    import filelock
+
+    lock = lock_factory(str(lock_path))
+    held = False
+    try:
+        try:
+            lock.acquire(timeout=0)
+        except filelock.Timeout:
+            logger.info("waiting for %s", waiting_for)
+            lock.acquire(poll_interval=_POLL_S)
+        held = True
+    except (OSError, NotImplementedError) as exc:
+        logger.warning("cannot lock %s (%s); going on without: duplicate work is possible", lock_path, exc)
+    try:
+        yield
+    finally:
+        if held:
+            lock.release()

@@ -1,0 +1,189 @@
+"""A writer's private temp file, and how a later writer takes over (or cleans up) what a dead one left.
+
+Each writer writes ``root/.<name>.<host>.<pid>.<random>.tmp``, a name no one else writes, created with mode ``0o666``
+so the umask decides the published file's mode. It records which URL and version (strong ``ETag`` or
+``Last-Modified``) its bytes belong to in ``<temp>.json``. When it gives up it parks its bytes as
+``root/.<name>.<key>.part`` (``<key>`` hashes the first URL) with that JSON next to them. The next fetch of the same
+target *claims* a parked file, or the temp file of a writer that died, by renaming it to its own private name: the
+rename succeeds for exactly one claimer, so two writers never share a file even without the lock. The same scan
+deletes what dead writers left behind: temp files of pids that no longer exist on this host, and those of other
+hosts (or parked files of other URLs) untouched for :data:`ORPHAN_MAX_AGE_S`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+from ignite_ext._fs import OWNER, idle, listdir, orphans, owner_tag, read_json, unlink, write_json
+from ignite_ext.data.download._http import Validator
+from ignite_ext.data.download._verify import CHUNK, hashers
+
+__all__ = ["ORPHAN_MAX_AGE_S", "Partial", "claim", "meta_path", "park", "parked_path"]
+
+logger = logging.getLogger("ignite_ext.data.download")
+
+#: Temp files of writers on other hosts (whose pids cannot be checked) are orphans after this many idle seconds.
+ORPHAN_MAX_AGE_S = 24 * 3600.0
+
+
+def parked_path(target: Path, first_url: str) -> Path:
+    key = hashlib.sha256(first_url.encode()).hexdigest()[:16]
+    return target.with_name(f".{target.name}.{key}.part")
+
+
+def meta_path(partial: Path) -> Path:
+    return partial.with_name(partial.name + ".json")
+
+
+class Partial:
+    """One writer's private temp file: its bytes, where they came from, and their running digests."""
+
+    def __init__(self, path: Path, algorithms: set[str], label: str) -> None:
+        self.path = path
+        self.label = label
+        self.algorithms = algorithms | {"sha256"}
+        self.url: str | None = None
+        self.validator: Validator | None = None
+        # True when the bytes came from more than one response: a digest mismatch may then be the splice's fault.
+        self.resumed = False
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_BINARY", 0), 0o666)
+        self._hashers = hashers(self.algorithms)
+        # Bytes taken over from an earlier writer count towards the digests like any other.
+        while chunk := os.read(self.fd, CHUNK):
+            self._update(chunk)
+        self.size = os.lseek(self.fd, 0, os.SEEK_END)
+
+    @property
+    def meta(self) -> Path:
+        return meta_path(self.path)
+
+    def restart(self) -> None:
+        os.ftruncate(self.fd, 0)
+        os.lseek(self.fd, 0, os.SEEK_SET)
+        self.size = 0
+        self.resumed = False
+        self._hashers = hashers(self.algorithms)
+
+    def append(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self.fd, view) :]
+        self._update(data)
+        self.size += len(data)
+
+    def _update(self, data: bytes) -> None:
+        for hasher in self._hashers.values():
+            hasher.update(data)
+
+    def digests(self) -> dict[str, str]:
+        return {name: hasher.hexdigest() for name, hasher in self._hashers.items()}
+
+    def note_source(self, url: str, validator: Validator) -> None:
+        """Record, next to the bytes, which URL and version they belong to (what a later resume needs)."""
+        self.url, self.validator = url, validator
+        record = {"url": url, "etag": validator.etag, "last_modified": validator.last_modified}
+        with contextlib.suppress(OSError):
+            write_json(self.meta, {**record, "inode": os.fstat(self.fd).st_ino})
+
+    def sync_and_close(self) -> os.stat_result:
+        """Flush the bytes to stable storage and close; the stat identifies the file once published."""
+        os.fsync(self.fd)
+        st = os.fstat(self.fd)
+        self.close()
+        return st
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def claim(target: Path, urls: Sequence[str], algorithms: set[str]) -> Partial:
+    """Take over the bytes a previous writer left for this target, or start a new private file.
+
+    Also deletes what gone writers left that cannot be resumed here.
+    """
+    parked = parked_path(target, urls[0])
+    temps = re.compile(rf"\.{re.escape(target.name)}\.{OWNER}\.tmp")
+    others = re.compile(rf"\.{re.escape(target.name)}\.(?P<key>[0-9a-f]{{16}})\.part")
+    candidates = [path for path, _ in orphans(target.parent, temps, ORPHAN_MAX_AGE_S)]
+    if parked.exists():
+        candidates.append(parked)
+    candidates.sort(key=_size, reverse=True)
+    mine = target.with_name(f".{target.name}.{owner_tag()}.tmp")
+    partial = None
+    for candidate in candidates:
+        if partial is None:
+            partial = _adopt(candidate, mine, urls, algorithms, target.name)
+        unlink(candidate, meta_path(candidate))
+    for name in listdir(target.parent):
+        path = target.parent / name
+        if path != parked and others.fullmatch(name) and idle(path, ORPHAN_MAX_AGE_S):
+            unlink(path, meta_path(path))
+    _remove_stray_records(target, temps)
+    return partial or Partial(_create(mine), algorithms, target.name)
+
+
+def _remove_stray_records(target: Path, temps: re.Pattern[str]) -> None:
+    """Delete the JSON records of temp files that are gone, and half-written records of gone writers."""
+    records = re.compile(rf"(?:{temps.pattern})\.json")
+    for path, _ in orphans(target.parent, records, ORPHAN_MAX_AGE_S):
+        if not path.with_suffix("").exists():
+            unlink(path)
+    writes = re.compile(rf"\.{re.escape(target.name)}\.[^/]*\.json\.{OWNER}\.tmp")
+    for path, _ in orphans(target.parent, writes, ORPHAN_MAX_AGE_S):
+        unlink(path)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return -1
+
+
+def _create(path: Path) -> Path:
+    # 0o666 and no chmod: the umask decides, as for any other file the job writes (not 0600 like mkstemp).
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    return path
+
+
+def _adopt(candidate: Path, mine: Path, urls: Sequence[str], algorithms: set[str], label: str) -> Partial | None:
+    record = read_json(meta_path(candidate))
+    if record is None or record.get("url") not in urls:
+        return None
+    validator = Validator(etag=record.get("etag"), last_modified=record.get("last_modified"))
+    if validator.if_range is None:
+        return None
+    try:
+        # The rename is the claim: it succeeds for one caller only, lock or no lock.
+        os.rename(candidate, mine)
+        os.utime(mine)  # fresh mtime: other hosts must not take it for an idle orphan
+    except FileNotFoundError:
+        return None
+    partial = Partial(mine, algorithms, label)
+    if os.fstat(partial.fd).st_ino != record.get("inode"):
+        # The record belongs to other bytes (a concurrent park replaced one of the two files): start over.
+        partial.restart()
+        return partial
+    logger.info("resuming %s from byte %d", candidate.name, partial.size)
+    partial.resumed = partial.size > 0
+    partial.note_source(record["url"], validator)
+    return partial
+
+
+def park(partial: Partial, target: Path, first_url: str) -> None:
+    """Leave resumable bytes under the target's parked name; drop bytes that could not be resumed."""
+    if partial.size > 0 and partial.url is not None and partial.validator and partial.validator.if_range:
+        parked = parked_path(target, first_url)
+        with contextlib.suppress(OSError):
+            os.replace(partial.path, parked)
+            os.replace(partial.meta, meta_path(parked))
+            return
+    unlink(partial.path, partial.meta)

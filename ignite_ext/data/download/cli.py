@@ -1,0 +1,91 @@
+"""``python -m ignite_ext download``: fetch a file once per filesystem from a job prologue or a shell.
+
+Building the parser imports nothing but :mod:`argparse`, so ``--help`` answers at once; the download machinery is
+imported when a download runs.
+
+.. versionadded:: 0.1.0
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["add_cli_arguments", "cli"]
+
+
+def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the arguments of ``python -m ignite_ext download`` to ``parser``.
+
+    Args:
+        parser: the (sub)parser of the ``download`` command.
+
+    Examples:
+        >>> import argparse
+        >>> from ignite_ext.data.download.cli import add_cli_arguments
+        >>> parser = argparse.ArgumentParser()
+        >>> add_cli_arguments(parser)
+        >>> args = parser.parse_args(["https://example.org/a.tgz", "--root", "data", "--extract"])
+        >>> args.url, args.root, args.extract, args.progress
+        ('https://example.org/a.tgz', 'data', True, True)
+
+    .. versionadded:: 0.1.0
+    """
+    parser.add_argument("url", help="http, https or file URL")
+    parser.add_argument("--root", required=True, help="directory to download into")
+    parser.add_argument("--filename", help="file name in ROOT (default: from the URL)")
+    parser.add_argument("--sha256", help="expected SHA-256, hex")
+    parser.add_argument("--md5", help="expected MD5, hex")
+    parser.add_argument("--mirror", action="append", default=[], dest="mirrors", help="another URL (repeatable)")
+    parser.add_argument("--extract", action="store_true", help="extract the archive into ROOT/<stem>")
+    parser.add_argument("--timeout", type=float, default=30.0, help="seconds (default: 30)")
+    parser.add_argument("--retries", type=int, default=3, help="further attempts per URL (default: 3)")
+    parser.add_argument("--no-progress", action="store_false", dest="progress", help="no progress bar")
+
+
+def cli(args: argparse.Namespace) -> int:
+    """Run ``python -m ignite_ext download``: print the resulting path, or one error line on stderr.
+
+    Args:
+        args: parsed by a parser set up with :func:`add_cli_arguments`.
+
+    Returns:
+        0 on success, 1 on failure.
+
+    Examples:
+        >>> import argparse, tempfile
+        >>> from pathlib import Path
+        >>> from ignite_ext.data.download.cli import add_cli_arguments, cli
+        >>> parser = argparse.ArgumentParser()
+        >>> add_cli_arguments(parser)
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     source = Path(tmp, "a.txt")
+        ...     _ = source.write_text("a")
+        ...     status = cli(parser.parse_args([source.as_uri(), "--root", tmp + "/out", "--no-progress"]))
+        ...     print(status, Path(tmp, "out", "a.txt").read_text())  # doctest: +ELLIPSIS
+        /.../out/a.txt
+        0 a
+
+    .. versionadded:: 0.1.0
+    """
+    from ignite_ext.data.download.fetch import download_url
+
+    try:
+        path = download_url(
+            args.url,
+            args.root,
+            args.filename,
+            sha256=args.sha256,
+            md5=args.md5,
+            mirrors=args.mirrors,
+            extract=args.extract,
+            timeout=args.timeout,
+            retries=args.retries,
+            progress=args.progress,
+        )
+    except (OSError, ValueError) as exc:  # ArchiveError is a ValueError
+        message = " ".join(str(exc).split())
+        print(f"error: {type(exc).__name__}: {message}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0

@@ -1,0 +1,136 @@
+"""How ranks learn that the ranks they wait for finished, failed or died: the protocol, and which channel runs it.
+
+Two channels implement one protocol (:class:`Channel`):
+
+* :class:`~ignite_ext.distributed._store_channel.StoreChannel`, on native backends (gloo, nccl, ...): waits go
+  through the process group's key-value store (:mod:`ignite_ext.distributed._store`), never a collective, so a
+  first rank may work far longer than the process group's timeout. Every rank inside a scheduler beats a
+  heartbeat key from a daemon thread; a rank whose heartbeat stops (SIGKILL, OOM kill, machine loss) is declared
+  dead by whoever waits for it, exactly once, and everyone waiting learns it as a failure instead of hanging.
+* :class:`~ignite_ext.distributed._collective.CollectiveChannel`, everywhere else (Horovod, XLA, or when forced
+  with ``IGNITE_EXT_SCHEDULER_CHANNEL=collective``): all ranks step through the plan's waves in lockstep, one
+  small ``all_gather`` per wave. Waits are bounded by the backend's own collective timeout, and a dead rank is
+  detected only as far as the backend detects it.
+
+.. versionadded:: 0.2.0
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+
+import ignite.distributed as idist
+
+from ignite_ext.distributed._store import Store, default_store
+from ignite_ext.distributed.policies import Plan
+from ignite_ext.errors import RankFailure
+
+__all__ = [
+    "Channel",
+    "decode_failures",
+    "encode_failures",
+    "heartbeat_timeout",
+    "log",
+    "log_interval",
+    "make_channel",
+    "native_store",
+]
+
+_LOGGER_NAME = "ignite_ext.distributed"
+
+
+def log() -> logging.Logger:
+    """The scheduler's logger, set up the ignite way on first use unless the application configured it.
+
+    ``distributed_rank=0`` because the lines that matter come from waiting ranks, which ignite's default
+    (output on rank 0 only) would silence.
+    """
+    logger = logging.getLogger(_LOGGER_NAME)
+    if not logger.handlers:
+        from ignite.utils import setup_logger
+
+        setup_logger(_LOGGER_NAME, level=logging.INFO, distributed_rank=0)
+    return logger
+
+
+def _env_float(name: str, default: float) -> float:
+    try:
+        return float(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+def heartbeat_timeout() -> float:
+    """Seconds without a heartbeat after which a rank counts as dead (``IGNITE_EXT_HEARTBEAT_TIMEOUT``)."""
+    return _env_float("IGNITE_EXT_HEARTBEAT_TIMEOUT", 30.0)
+
+
+def log_interval() -> float:
+    """Seconds between two "still waiting" log lines (``IGNITE_EXT_WAIT_LOG_INTERVAL``)."""
+    return _env_float("IGNITE_EXT_WAIT_LOG_INTERVAL", 30.0)
+
+
+def encode_failures(failures: Iterable[RankFailure]) -> bytes:
+    """The failures a rank reports, as the bytes other ranks read (ASCII JSON)."""
+    return json.dumps([[f.rank, f.exc_type, f.message, f.died] for f in failures]).encode()
+
+
+def decode_failures(payload: bytes) -> list[RankFailure]:
+    """The failures in ``payload`` (see :func:`encode_failures`)."""
+    return [RankFailure(int(r), str(t), str(m), bool(d)) for r, t, m, d in json.loads(payload.decode())]
+
+
+class Channel(ABC):
+    """The waiting protocol of one scheduled block on one rank: entry exchange, then the plan's waits."""
+
+    def __init__(self, rank: int, world_size: int, label: str, timeout: float | None) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.label = label
+        self.timeout = timeout
+        self.plan = Plan(())
+
+    @abstractmethod
+    def exchange(self, mine: bytes, judge: Callable[[list[bytes]], bytes]) -> bytes:
+        """Give every rank's entry (``mine``) to ``judge`` and return its verdict, the same on every rank."""
+
+    def start(self, plan: Plan) -> None:
+        """Adopt the plan agreed on; ``wait_turn`` and ``leave`` follow it."""
+        self.plan = plan
+
+    @abstractmethod
+    def wait_turn(self) -> list[RankFailure]:
+        """Block until this rank may run; return the failures it inherits (then it must not run)."""
+
+    @abstractmethod
+    def leave(self, own: list[RankFailure], inherited: list[RankFailure], linger: bool = True) -> list[RankFailure]:
+        """Report this rank's outcome; unless it failed, wait for everyone and return every original failure.
+
+        ``linger=False`` (a rank that timed out) leaves as soon as its outcome is posted.
+        """
+
+
+def native_store() -> Store | None:
+    """The store the store channel would use here, or None where the collective channel runs."""
+    if os.environ.get("IGNITE_EXT_SCHEDULER_CHANNEL", "").lower() == "collective":
+        return None
+    if idist.model_name() != "native-dist":
+        return None
+    return default_store()
+
+
+def make_channel(
+    store: Store | None, rank: int, world_size: int, label: str, timeout: float | None, seq: int
+) -> Channel:
+    """The store channel when ``store`` is given, the collective one otherwise."""
+    if store is None:
+        from ignite_ext.distributed._collective import CollectiveChannel
+
+        return CollectiveChannel(rank, world_size, label, timeout)
+    from ignite_ext.distributed._store_channel import StoreChannel
+
+    return StoreChannel(rank, world_size, label, timeout, store, seq)

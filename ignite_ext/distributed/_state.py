@@ -1,0 +1,108 @@
+"""What this process knows of the scheduled blocks of one process group.
+
+That is the next sequence number, and per thread how deep it is inside blocks and which world the outermost one
+agreed on.
+
+The sequence number names a block in the store (:class:`~ignite_ext.distributed._store.BlockKeys`): every rank
+enters the blocks of a group in the same order, so the same number names the same block on every rank. It belongs
+to the group (a new process group starts a new store, and numbers from 0), and is taken under a lock, so two
+threads entering blocks at once never share one. Nesting is per thread: a scheduler entered by another thread
+while the main thread is inside a block is a block of its own, not a nested one.
+
+.. versionadded:: 0.2.0
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from ignite_ext.distributed.policies import World
+
+__all__ = ["GroupState", "group_state"]
+
+
+class _Nesting(threading.local):
+    depth = 0
+    world: World | None = None
+
+
+class GroupState:
+    """One process group's scheduler state in this process.
+
+    Examples:
+        >>> from ignite_ext.distributed._state import GroupState
+        >>> from ignite_ext.distributed.policies import World
+        >>> state = GroupState()
+        >>> state.take_sequence(), state.take_sequence()
+        (0, 1)
+        >>> with state.inside(World(1, (0,), (0,))):
+        ...     state.depth, state.world.world_size
+        (1, 1)
+        >>> state.depth, state.world
+        (0, None)
+
+    .. versionadded:: 0.2.0
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._next = 0
+        self._nesting = _Nesting()
+
+    def take_sequence(self) -> int:
+        """The number of the next communicating block of this group (each number is taken once)."""
+        with self._lock:
+            seq, self._next = self._next, self._next + 1
+        return seq
+
+    @property
+    def depth(self) -> int:
+        """How many scheduled blocks of this group the calling thread is inside."""
+        return self._nesting.depth
+
+    @property
+    def world(self) -> World | None:
+        """The world the calling thread's outermost block agreed on, or None outside blocks."""
+        return self._nesting.world
+
+    @contextmanager
+    def inside(self, world: World) -> Iterator[None]:
+        """Count the calling thread as inside a block of ``world`` for the duration."""
+        nesting = self._nesting
+        outer = nesting.world
+        nesting.depth += 1
+        nesting.world = world if outer is None else outer
+        try:
+            yield
+        finally:
+            nesting.depth -= 1
+            nesting.world = outer
+
+
+_BY_STORE: weakref.WeakKeyDictionary[Any, GroupState] = weakref.WeakKeyDictionary()
+# Groups without a store of their own (Horovod, XLA, serial): their one world per process.
+_WITHOUT_STORE = GroupState()
+_GUARD = threading.Lock()
+
+
+def group_state(store: object | None) -> GroupState:
+    """The state of the process group whose store is ``store`` (None: the group without a store).
+
+    Examples:
+        >>> from ignite_ext.distributed._state import group_state
+        >>> group_state(None) is group_state(None)
+        True
+
+    .. versionadded:: 0.2.0
+    """
+    if store is None:
+        return _WITHOUT_STORE
+    with _GUARD:
+        state = _BY_STORE.get(store)
+        if state is None:
+            state = _BY_STORE[store] = GroupState()
+        return state

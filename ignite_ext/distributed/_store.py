@@ -1,0 +1,150 @@
+"""The scheduler's store protocol: which store it uses, and every key it writes there, with its lifetime.
+
+The store is the process group's :class:`torch.distributed.Store` (the TCPStore of ``env://`` and torchrun
+launches, served by one process, rank 0's under ``env://``). Values are ASCII text (JSON or decimal counters).
+
+Every key lives under ``ignite_ext/``; this module is the only place that spells one. The kinds:
+
+.. code-block:: text
+
+    key                                  written by              deleted                          size
+    ignite_ext/hb/<rank>                 rank's heartbeat thread never (one per rank per store)   counter
+    ignite_ext/sched/<seq>/entry/<rank>  rank, on entering       by rank, after block seq+1's verdict   entry JSON
+    ignite_ext/sched/<seq>/entered       every rank (add)        by rank 0, idem                  counter
+    ignite_ext/sched/<seq>/verdict       rank 0                  by rank 0, idem                  verdict JSON
+    ignite_ext/sched/<seq>/out/<rank>    rank (or who declares   by rank, idem                    outcome JSON
+                                         it dead), once
+    ignite_ext/sched/<seq>/exits         every rank (add)        by rank 0, idem                  counter
+    ignite_ext/sched/<seq>/nfail         failing ranks (add)     by rank 0, idem                  counter
+    ignite_ext/sched/<seq>/fail/<i>      the i-th failing rank   by that rank, idem               failures JSON
+    ignite_ext/sched/<seq>/acks          every rank but 0 (add)  by rank 0, idem                  counter
+
+A block's keys are deleted only once the next block's verdict is known: rank 0 judges block ``seq + 1`` only after
+every rank entered it, which proves every rank left block ``seq``. So at most two blocks' keys exist at a time.
+
+.. versionadded:: 0.2.0
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch declares it in the stub of its extension, and exports it as torch.distributed.Store
+    from torch._C._distributed_c10d import Store
+else:
+    from torch.distributed import Store
+
+__all__ = ["BlockKeys", "Store", "default_store", "heartbeat_key", "put", "put_once", "read"]
+
+_ROOT = "ignite_ext"
+
+
+def heartbeat_key(rank: int) -> str:
+    """The counter ``rank``'s heartbeat thread bumps while the process lives.
+
+    Examples:
+        >>> from ignite_ext.distributed._store import heartbeat_key
+        >>> heartbeat_key(3)
+        'ignite_ext/hb/3'
+
+    .. versionadded:: 0.2.0
+    """
+    return f"{_ROOT}/hb/{rank}"
+
+
+class BlockKeys:
+    """The keys of scheduled block number ``seq`` (see the module docstring for who writes and deletes each).
+
+    Args:
+        seq: the block's sequence number in its process group.
+
+    Examples:
+        >>> from ignite_ext.distributed._store import BlockKeys
+        >>> keys = BlockKeys(7)
+        >>> keys.outcome(2), keys.exits
+        ('ignite_ext/sched/7/out/2', 'ignite_ext/sched/7/exits')
+        >>> len(keys.deleted_by(0)), len(keys.deleted_by(1))
+        (7, 2)
+
+    .. versionadded:: 0.2.0
+    """
+
+    def __init__(self, seq: int) -> None:
+        self.seq = seq
+        self.prefix = f"{_ROOT}/sched/{seq}"
+        self.entered = f"{self.prefix}/entered"
+        self.verdict = f"{self.prefix}/verdict"
+        self.exits = f"{self.prefix}/exits"
+        self.nfail = f"{self.prefix}/nfail"
+        self.acks = f"{self.prefix}/acks"
+
+    def entry(self, rank: int) -> str:
+        """What ``rank`` passed on entering, for rank 0 to judge."""
+        return f"{self.prefix}/entry/{rank}"
+
+    def outcome(self, rank: int) -> str:
+        """``rank``'s outcome: the failures it reports (empty when it succeeded); written once."""
+        return f"{self.prefix}/out/{rank}"
+
+    def fail(self, index: int) -> str:
+        """The details of the ``index``-th failing rank (1-based, in the order they failed)."""
+        return f"{self.prefix}/fail/{index}"
+
+    def deleted_by(self, rank: int) -> list[str]:
+        """The keys of this block that ``rank`` deletes (its ``fail/<i>`` keys aside, which only it knows of)."""
+        own = [self.outcome(rank), self.entry(rank)]
+        return [*own, self.exits, self.nfail, self.acks, self.entered, self.verdict] if rank == 0 else own
+
+
+def default_store() -> Store | None:
+    """The default process group's store, or None when there is none (not initialised, or torch hides it).
+
+    torch has no public way to reach it: this is the one place that uses the private
+    ``torch.distributed.distributed_c10d._get_default_store``, and a test fails if torch renames or changes it.
+
+    Examples:
+        >>> from ignite_ext.distributed._store import default_store
+        >>> default_store() is None  # no process group in this process
+        True
+
+    .. versionadded:: 0.2.0
+    """
+    from torch.distributed import distributed_c10d
+
+    if not distributed_c10d.is_initialized():
+        return None
+    try:
+        return distributed_c10d._get_default_store()
+    except (AttributeError, ValueError, RuntimeError):
+        return None
+
+
+# pybind's Store takes bytes wherever its stub says str: values here are bytes, so the casts live in these three.
+_ABSENT = "\x00"  # compare_set on a missing key with this expected value reads without writing
+
+
+def put(store: Store, key: str, value: bytes) -> None:
+    """Set ``key`` to ``value``.
+
+    .. versionadded:: 0.2.0
+    """
+    store.set(key, value)  # type: ignore[arg-type]
+
+
+def read(store: Store, key: str) -> bytes | None:
+    """The value of ``key``, or None when it is not set (one request, and it never blocks).
+
+    .. versionadded:: 0.2.0
+    """
+    value = bytes(store.compare_set(key, _ABSENT, "-"))
+    return None if value == _ABSENT.encode() else value
+
+
+def put_once(store: Store, key: str, value: bytes) -> bool:
+    """Set ``key`` to ``value`` unless it is set already; True when this call set it.
+
+    Of several callers writing different values, exactly one is told it won.
+
+    .. versionadded:: 0.2.0
+    """
+    return bytes(store.compare_set(key, "", value)) == value  # type: ignore[arg-type]

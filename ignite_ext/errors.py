@@ -1,0 +1,257 @@
+"""Every error the package raises, under one root: :class:`IgniteExtError`.
+
+Each error also keeps the standard library base that code written before it already catches:
+:class:`DownloadError` is an :class:`OSError`, :class:`ArchiveError` a :class:`ValueError`,
+:class:`RankFailedError` and :class:`ShmSpaceError` are both :class:`RuntimeError`. So ``except IgniteExtError``
+catches anything of this package, and ``except OSError`` still catches a failed download.
+
+Importing this module imports nothing heavy (no torch, no numpy).
+
+.. code-block:: text
+
+    IgniteExtError
+    ├── RankFailedError (RuntimeError)       another rank's scheduled block failed, or it died
+    │   ├── RankDiedError                    this rank was declared dead by its peers
+    │   └── StoreLostError                   the scheduler's store stopped answering
+    ├── DownloadError (OSError)              a download failed
+    │   └── ChecksumError                    the bytes had another digest than expected
+    ├── ArchiveError (ValueError)            an archive is unsafe, too large or unsupported
+    └── ShmSpaceError (RuntimeError)         /dev/shm cannot hold a cache
+
+Examples:
+    >>> from ignite_ext.errors import DownloadError, IgniteExtError
+    >>> err = DownloadError("https://example.org/x.bin: HTTP 404 Not Found", status=404)
+    >>> isinstance(err, IgniteExtError), isinstance(err, OSError)
+    (True, True)
+
+.. versionadded:: 0.2.0
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+__all__ = [
+    "ArchiveError",
+    "ChecksumError",
+    "DownloadError",
+    "IgniteExtError",
+    "RankDiedError",
+    "RankFailedError",
+    "RankFailure",
+    "ShmSpaceError",
+    "StoreLostError",
+]
+
+
+class IgniteExtError(Exception):
+    """The base of every error this package raises.
+
+    Examples:
+        >>> from ignite_ext.errors import ArchiveError, IgniteExtError, RankFailedError
+        >>> issubclass(ArchiveError, IgniteExtError), issubclass(RankFailedError, IgniteExtError)
+        (True, True)
+
+    .. versionadded:: 0.2.0
+    """
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """What one rank reported when its block failed, or what its peers saw when it died.
+
+    Args:
+        rank: global rank whose block raised (or that died).
+        exc_type: qualified name of the exception type, e.g. ``"OSError"``; ``"RankDiedError"`` for a dead rank.
+        message: ``str()`` of the exception, truncated to a few KiB; for a dead rank, how its death was noticed.
+        died: True when the rank did not report at all: its heartbeat stopped (killed, lost with its node, hung).
+
+    Examples:
+        >>> from ignite_ext.errors import RankFailure
+        >>> str(RankFailure(0, "OSError", "disk full"))
+        'rank 0: OSError: disk full'
+        >>> str(RankFailure(3, "RankDiedError", "no heartbeat for 30 s", died=True))
+        'rank 3 died: no heartbeat for 30 s'
+
+    .. versionadded:: 0.1.0
+    .. versionchanged:: 0.2.0
+        ``died`` tells a dead rank from one whose block raised.
+    """
+
+    rank: int
+    exc_type: str
+    message: str
+    died: bool = False
+
+    def __str__(self) -> str:
+        if self.died:
+            return f"rank {self.rank} died: {self.message}"
+        return f"rank {self.rank}: {self.exc_type}: {self.message}"
+
+
+class RankFailedError(IgniteExtError, RuntimeError):
+    """Raised on every rank that waited on (or ran before) a rank whose scheduled block failed.
+
+    The failing rank itself re-raises its own exception; the others raise this error instead of running
+    the block, so nobody runs a step that depended on a failed one and nobody hangs.
+
+    Args:
+        failures: one entry per failing rank, in rank order.
+        context: what this rank was doing when it learnt of the failure.
+
+    Attributes:
+        failures: the :class:`RankFailure` entries, sorted by rank.
+        ranks: the failing ranks, sorted.
+        dead: the ranks among them that died (no report, heartbeat stopped), sorted.
+
+    Examples:
+        >>> from ignite_ext.errors import RankFailedError, RankFailure
+        >>> err = RankFailedError([RankFailure(2, "OSError", "disk full")], "waiting for rank 2")
+        >>> err.ranks, err.dead
+        ((2,), ())
+        >>> isinstance(err, RuntimeError)
+        True
+
+    .. versionadded:: 0.1.0
+    """
+
+    def __init__(self, failures: Iterable[RankFailure], context: str = "") -> None:
+        self.failures: tuple[RankFailure, ...] = tuple(sorted(failures, key=lambda f: f.rank))
+        self.ranks: tuple[int, ...] = tuple(f.rank for f in self.failures)
+        self.dead: tuple[int, ...] = tuple(f.rank for f in self.failures if f.died)
+        self.context = context
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        details = "; ".join(str(f) for f in self.failures)
+        prefix = f"{self.context}: " if self.context else ""
+        return f"{prefix}rank(s) {list(self.ranks)} failed inside the scheduled block ({details})"
+
+    def __reduce__(self) -> tuple[type[RankFailedError], tuple[tuple[RankFailure, ...], str]]:
+        return type(self), (self.failures, self.context)
+
+
+class RankDiedError(RankFailedError):
+    """Raised on a rank that its peers declared dead (its heartbeat stopped) before it could report its outcome.
+
+    The peers have already reported this rank as failed, so it must not carry on as if its block succeeded.
+
+    Examples:
+        >>> from ignite_ext.errors import RankDiedError, RankFailedError, RankFailure
+        >>> err = RankDiedError([RankFailure(1, "RankDiedError", "declared dead by its peers", died=True)], "rank 1")
+        >>> isinstance(err, RankFailedError), err.dead
+        (True, (1,))
+
+    .. versionadded:: 0.2.0
+    """
+
+
+class StoreLostError(RankFailedError):
+    """The store the scheduler waits through stopped answering (its host died, or the network to it is gone).
+
+    No rank is named: whether the ranks are alive cannot be known without the store.
+
+    Args:
+        cause: what the store client reported.
+        context: what this rank was doing.
+
+    Examples:
+        >>> from ignite_ext.errors import RankFailedError, StoreLostError
+        >>> err = StoreLostError("Connection reset by peer", "rank 1 waiting for rank 0")
+        >>> isinstance(err, RankFailedError), err.ranks
+        (True, ())
+        >>> print(err)
+        rank 1 waiting for rank 0: lost the rendezvous store the scheduler waits through (Connection reset by peer)
+
+    .. versionadded:: 0.2.0
+    """
+
+    def __init__(self, cause: str, context: str = "") -> None:
+        self.cause = cause
+        super().__init__((), context)
+
+    def _message(self) -> str:
+        prefix = f"{self.context}: " if self.context else ""
+        return f"{prefix}lost the rendezvous store the scheduler waits through ({self.cause})"
+
+    def __reduce__(self) -> tuple[type[StoreLostError], tuple[str, str]]:  # type: ignore[override]
+        return type(self), (self.cause, self.context)
+
+
+class DownloadError(IgniteExtError, OSError):
+    """A download failed: the server refused (404 and other 4xx), or every attempt on every URL failed.
+
+    It is an :class:`OSError`, like the :class:`urllib.error.URLError` it often wraps, so code that already
+    catches I/O errors around a download keeps working.
+
+    Args:
+        message: one line naming the URL(s) and what went wrong.
+        url: the URL of the last failure, if one.
+        status: the HTTP status of the last failure, if one.
+
+    Examples:
+        >>> from ignite_ext.data import DownloadError
+        >>> err = DownloadError("https://example.org/x.bin: HTTP 404 Not Found", status=404)
+        >>> isinstance(err, OSError), err.status
+        (True, 404)
+
+    .. versionadded:: 0.1.0
+    """
+
+    def __init__(self, message: str, *, url: str | None = None, status: int | None = None) -> None:
+        super().__init__(message)
+        self.url = url
+        self.status = status
+
+
+class ChecksumError(DownloadError):
+    """The downloaded bytes do not have the expected digest; nothing was published.
+
+    Args:
+        message: one line naming the URL, the algorithm, the expected and the actual digest.
+        algorithm: ``"sha256"`` or ``"md5"``.
+        expected: the digest that was asked for.
+        actual: the digest of what was received.
+        url: where the bytes came from.
+
+    Examples:
+        >>> from ignite_ext.data import ChecksumError, DownloadError
+        >>> err = ChecksumError("x: sha256 mismatch", algorithm="sha256", expected="ab", actual="cd")
+        >>> isinstance(err, DownloadError), err.expected, err.actual
+        (True, 'ab', 'cd')
+
+    .. versionadded:: 0.1.0
+    """
+
+    def __init__(
+        self, message: str, *, algorithm: str = "", expected: str = "", actual: str = "", url: str | None = None
+    ) -> None:
+        super().__init__(message, url=url)
+        self.algorithm = algorithm
+        self.expected = expected
+        self.actual = actual
+
+
+class ArchiveError(IgniteExtError, ValueError):
+    """An archive is unsafe to extract, too large, or not of a supported type; nothing was extracted.
+
+    Examples:
+        >>> from ignite_ext.data import ArchiveError
+        >>> issubclass(ArchiveError, ValueError)
+        True
+
+    .. versionadded:: 0.1.0
+    """
+
+
+class ShmSpaceError(IgniteExtError, RuntimeError):
+    """``/dev/shm`` cannot hold the requested cache.
+
+    Examples:
+        >>> from ignite_ext.errors import ShmSpaceError
+        >>> issubclass(ShmSpaceError, RuntimeError)
+        True
+
+    .. versionadded:: 0.1.0
+    """
