@@ -32,6 +32,7 @@ setup(
         "pytorch-ignite>=0.5.1",
         "filelock>=3.20.3",
         "tqdm>=4.60",
+        "numpy>=1.26",
     ],
     extras_require={"test": _TEST, "dev": _DEV},
     entry_points={"console_scripts": ["ignite-ext=ignite_ext.__main__:main"]},

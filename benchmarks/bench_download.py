@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._report import print_result
-from tests.data.http_server import TestHTTPServer
+from benchmarks.http_server import TestHTTPServer
 
 NAME = "download"
 

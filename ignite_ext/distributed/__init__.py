@@ -14,7 +14,7 @@ from ignite.distributed import *  # noqa: F403
 # exported through the star import above; name it explicitly (it is the very same class).
 from ignite.distributed.launcher import Parallel as Parallel
 
-from ignite_ext.distributed.agree import agree
+from ignite_ext.distributed.agreement import agree
 from ignite_ext.distributed.errors import RankDiedError, RankFailedError, RankFailure, StoreLostError
 from ignite_ext.distributed.policies import Comm, MasterFirst, Ordered, Plan, Policy, Turn, World
 from ignite_ext.distributed.schedule import one_rank_first, rank_scheduler

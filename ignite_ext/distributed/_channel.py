@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable
 
 import ignite.distributed as idist
 
+from ignite_ext.distributed._state import GroupState
 from ignite_ext.distributed._store import Store, default_store
 from ignite_ext.distributed.policies import Plan
 from ignite_ext.errors import RankFailure
@@ -124,7 +125,7 @@ def native_store() -> Store | None:
 
 
 def make_channel(
-    store: Store | None, rank: int, world_size: int, label: str, timeout: float | None, seq: int
+    store: Store | None, state: GroupState, rank: int, world_size: int, label: str, timeout: float | None, seq: int
 ) -> Channel:
     """The store channel when ``store`` is given, the collective one otherwise."""
     if store is None:
@@ -133,4 +134,4 @@ def make_channel(
         return CollectiveChannel(rank, world_size, label, timeout)
     from ignite_ext.distributed._store_channel import StoreChannel
 
-    return StoreChannel(rank, world_size, label, timeout, store, seq)
+    return StoreChannel(rank, world_size, label, timeout, store, seq, state)

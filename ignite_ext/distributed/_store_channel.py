@@ -22,6 +22,7 @@ from ignite_ext.distributed._channel import (
     log,
     log_interval,
 )
+from ignite_ext.distributed._state import GroupState
 from ignite_ext.distributed._store import BlockKeys, Store, heartbeat_key, put, put_once, read
 from ignite_ext.errors import RankDiedError, RankFailedError, RankFailure, StoreLostError
 
@@ -43,9 +44,6 @@ class _Heartbeat:
         self._store = weakref.ref(store)
         self._rank = rank
         self._pending: list[str] = []
-        # Keys of the block in progress that only this rank knows of (its failure details): deleted with the rest
-        # of the block's keys, once the next block's verdict shows that every rank has left it.
-        self.carried: list[str] = []
         self._wake = threading.Event()
         self._beat()
         threading.Thread(target=self._run, name="ignite_ext-heartbeat", daemon=True).start()
@@ -170,29 +168,38 @@ class StoreChannel(Channel):
     ``acks`` the ranks that have read the outcome.
     """
 
-    def __init__(self, rank: int, world_size: int, label: str, timeout: float | None, store: Store, seq: int) -> None:
+    def __init__(
+        self, rank: int, world_size: int, label: str, timeout: float | None, store: Store, seq: int, state: GroupState
+    ) -> None:
         super().__init__(rank, world_size, label, timeout)
         self.store = store
         self.keys = BlockKeys(seq)
         self._ring = rank + 1
         self.seq = seq
+        self.state = state
         self.heartbeat = self._guarded(lambda: _Heartbeat.ensure(store, rank))
 
-    def _forget_previous_block(self) -> None:
-        # Called once this block's verdict is known: rank 0 judged only after every rank had entered this
-        # block, so every rank has left the previous one and none reads its keys any more.
+    def _forget(self, mark: int) -> None:
+        # Every rank has left every block below ``mark`` (the verdict's lowest low-water mark): nobody reads
+        # their keys any more.
         _Lingering.release(self.store)
-        if self.seq > 0:
-            carried, self.heartbeat.carried = self.heartbeat.carried, []
-            self.heartbeat.delete_later([*BlockKeys(self.seq - 1).deleted_by(self.rank), *carried])
+        for seq in self.state.forget_below(mark):
+            self.heartbeat.delete_later([*BlockKeys(seq).deleted_by(self.rank), *self.state.carried.pop(seq, [])])
 
     def exchange(self, mine: bytes, judge: Callable[[list[bytes]], bytes]) -> bytes:
         """Rank 0 collects every entry from the store, judges, and publishes the verdict: no collective.
 
-        A late rank therefore delays the others without running into the process group's timeout.
+        A late rank therefore delays the others without running into the process group's timeout. Each entry
+        and the verdict carry a low-water mark line ahead of the payload (see :mod:`ignite_ext.distributed._state`).
         """
-        verdict = self._guarded(lambda: self._exchange(mine, judge))
-        self._forget_previous_block()
+
+        def judge_marked(entries: list[bytes]) -> bytes:
+            marks, payloads = zip(*(entry.split(b"\n", 1) for entry in entries), strict=True)
+            return b"%d\n" % min(int(m) for m in marks) + judge(list(payloads))
+
+        marked = b"%d\n" % self.state.low_water + mine
+        mark, verdict = self._guarded(lambda: self._exchange(marked, judge_marked)).split(b"\n", 1)
+        self._forget(int(mark))
         return verdict
 
     def _exchange(self, mine: bytes, judge: Callable[[list[bytes]], bytes]) -> bytes:
@@ -260,7 +267,7 @@ class StoreChannel(Channel):
         if own:
             index = self.store.add(self.keys.nfail, 1)
             put(self.store, self.keys.fail(index), encode_failures(own))
-            self.heartbeat.carried.append(self.keys.fail(index))
+            self.state.carried.setdefault(self.seq, []).append(self.keys.fail(index))
         self.store.add(self.keys.exits, 1 + (self.world_size + 1) * bool(own))
 
     def wait_turn(self) -> list[RankFailure]:

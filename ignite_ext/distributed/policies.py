@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ignite_ext.distributed.agree import agree
+from ignite_ext.distributed.agreement import agree
 
 __all__ = ["Comm", "MasterFirst", "Ordered", "Plan", "Policy", "Turn", "World"]
 

@@ -14,7 +14,7 @@ import torch.utils.data
 from ignite_ext.distributed._channel import Channel, make_channel, native_store
 from ignite_ext.distributed._collective import IdistComm
 from ignite_ext.distributed._state import GroupState, group_state
-from ignite_ext.distributed.agree import agree, disagreement
+from ignite_ext.distributed.agreement import agree, disagreement
 from ignite_ext.distributed.policies import MasterFirst, Policy, Turn, World
 from ignite_ext.errors import RankFailedError, RankFailure
 
@@ -156,16 +156,30 @@ def rank_scheduler(order: Policy | None = None, *, timeout: float | None = None)
     label = order.describe() if isinstance(order, Policy) else repr(order)
     # An invalid timeout is reported by the entry exchange, so that exchange must not itself obey it.
     usable = isinstance(timeout, int | float) and not isinstance(timeout, bool) and timeout > 0
-    seq = state.take_sequence() if world_size > 1 else -1
-    channel = make_channel(store, rank, world_size, label, timeout if usable else None, seq)
+    if world_size == 1:
+        world = _agree_on_entry(make_channel(None, state, rank, 1, label, None, -1), order, timeout)
+        assert isinstance(order, Policy)
+        with state.inside(world):
+            yield order.plan(world, IdistComm()).turns[rank]
+        return
+    seq = state.take_sequence()
+    try:
+        with _block(
+            make_channel(store, state, rank, world_size, label, timeout if usable else None, seq), order, timeout, state
+        ) as turn:
+            yield turn
+    finally:
+        state.leave(seq)  # whatever happened, this process reads no key of the block any more
+
+
+@contextmanager
+def _block(channel: Channel, order: object, timeout: float | None, state: GroupState) -> Iterator[Turn]:
+    """One communicating block on this rank: entry, wait, run, leave."""
+    rank = channel.rank
     world = _agree_on_entry(channel, order, timeout)
     assert isinstance(order, Policy)
     plan = order.plan(world, IdistComm())
     turn = plan.turns[rank]
-    if world_size == 1:
-        with state.inside(world):
-            yield turn
-        return
     channel.start(plan)
     try:
         inherited = channel.wait_turn()

@@ -24,7 +24,7 @@ from torch.utils.data import Dataset, get_worker_info
 from ignite_ext.data.cache.arena import Arena
 from ignite_ext.data.cache.codec import decode, encode
 from ignite_ext.distributed import agree
-from ignite_ext.distributed.agree import disagreement
+from ignite_ext.distributed.agreement import disagreement
 
 __all__ = ["CacheStats", "CachedDataset"]
 
@@ -226,12 +226,12 @@ class CachedDataset(Dataset[Any]):
 
         def mine() -> tuple[str, int, tuple[int, int, int, int]]:
             if reduce not in _REDUCTIONS:
-                raise ValueError(f"reduce must be one of {_REDUCTIONS}, got {reduce!r}")
+                raise ValueError(f"reduce must be one of {_REDUCTIONS} and the same on every rank, got {reduce!r}")
             return reduce, node, own
 
         def differ(rows: list[tuple[str, int, tuple[int, int, int, int]]]) -> str | None:
             asked = disagreement([r[0] for r in rows])
-            return None if asked is None else f"every rank must pass the same reduce; by rank: {asked}"
+            return None if asked is None else f"reduce must be the same on every rank; by rank: {asked}"
 
         rows = agree(mine, "reducing the cache stats", check=differ)
         picked = [counters for _, nd, counters in rows if reduce == "world" or nd == node]

@@ -60,7 +60,7 @@ def disagreement(keys: Sequence[Hashable]) -> str | None:
         ``"ranks [0, 2]: a; ranks [1]: b"`` (groups in order of their first rank), or None.
 
     Examples:
-        >>> from ignite_ext.distributed.agree import disagreement
+        >>> from ignite_ext.distributed.agreement import disagreement
         >>> disagreement(["a", "b", "a"])
         'ranks [0, 2]: a; ranks [1]: b'
         >>> disagreement(["a", "a"]) is None

@@ -1,4 +1,4 @@
-"""A real HTTP server on 127.0.0.1 for the download tests and benchmark, with counters and injectable faults.
+"""A real HTTP server on 127.0.0.1 for the download benchmark and tests, with counters and injectable faults.
 
 It serves in-memory files, supports ``Range: bytes=N-`` with ``If-Range`` (ETag or Last-Modified), counts
 requests and body bytes per path, and can misbehave per path: close the connection mid-body, stall, send

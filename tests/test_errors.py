@@ -1,0 +1,149 @@
+"""One error root: every error of the package derives from IgniteExtError, keeps its stdlib base, and every error a
+docstring says is raised can be imported from a public module."""
+
+from __future__ import annotations
+
+import builtins
+import importlib
+import pickle
+import pkgutil
+import re
+
+import pytest
+
+import ignite_ext
+import ignite_ext.data
+import ignite_ext.distributed as idist
+from ignite_ext import errors
+from ignite_ext.errors import (
+    ArchiveError,
+    ChecksumError,
+    DownloadError,
+    IgniteExtError,
+    RankDiedError,
+    RankFailedError,
+    RankFailure,
+    ShmSpaceError,
+    StoreLostError,
+)
+
+
+def _modules() -> list[object]:
+    names = [m.name for m in pkgutil.walk_packages(ignite_ext.__path__, "ignite_ext.")]
+    return [importlib.import_module(n) for n in sorted(names) if not n.endswith("__main__")]
+
+
+def test_every_exception_class_of_the_package_derives_from_the_root() -> None:
+    found = set()
+    for module in _modules():
+        for value in vars(module).values():
+            if isinstance(value, type) and issubclass(value, BaseException):
+                if value.__module__.startswith("ignite_ext"):
+                    found.add(value)
+    assert {ArchiveError, ChecksumError, DownloadError, RankDiedError, StoreLostError, ShmSpaceError} <= found
+    assert [cls.__qualname__ for cls in found if not issubclass(cls, IgniteExtError)] == []
+
+
+@pytest.mark.parametrize(
+    ("cls", "base"),
+    [
+        (DownloadError, OSError),
+        (ChecksumError, OSError),
+        (ArchiveError, ValueError),
+        (RankFailedError, RuntimeError),
+        (RankDiedError, RuntimeError),
+        (StoreLostError, RuntimeError),
+        (ShmSpaceError, RuntimeError),
+    ],
+)
+def test_errors_keep_their_standard_library_base(cls: type[Exception], base: type[Exception]) -> None:
+    assert issubclass(cls, IgniteExtError) and issubclass(cls, base)
+
+
+def test_old_import_paths_give_the_same_classes() -> None:
+    from ignite_ext.data.cache import ShmSpaceError as from_cache
+    from ignite_ext.data.download import ArchiveError as from_download
+    from ignite_ext.data.extract import ArchiveError as from_extract
+    from ignite_ext.distributed.errors import RankFailedError as from_distributed
+
+    assert from_cache is ShmSpaceError and from_download is from_extract is ArchiveError
+    assert from_distributed is idist.RankFailedError is RankFailedError
+    assert ignite_ext.data.DownloadError is DownloadError and ignite_ext.data.ShmSpaceError is ShmSpaceError
+
+
+def _docstrings() -> list[tuple[str, str]]:
+    found = []
+    for module in _modules():
+        found.append((module.__name__, module.__doc__ or ""))  # type: ignore[attr-defined]
+        for name, value in vars(module).items():
+            if getattr(value, "__module__", None) != module.__name__:  # type: ignore[attr-defined]
+                continue
+            found.append((f"{module.__name__}.{name}", getattr(value, "__doc__", None) or ""))  # type: ignore[attr-defined]
+            if isinstance(value, type):
+                for attr, member in vars(value).items():
+                    doc = getattr(member, "__doc__", None) if callable(member) or isinstance(member, property) else None
+                    found.append((f"{module.__name__}.{name}.{attr}", doc or ""))  # type: ignore[attr-defined]
+    return found
+
+
+def raised_names(doc: str) -> list[str]:
+    """The exception names listed in the ``Raises:`` sections of a Google-style docstring."""
+    names = []
+    lines = doc.splitlines()
+    for i, line in enumerate(lines):
+        if line.strip() != "Raises:":
+            continue
+        indent = len(line) - len(line.lstrip())
+        for item in lines[i + 1 :]:
+            if item.strip() and len(item) - len(item.lstrip()) <= indent:
+                break
+            match = re.match(rf"^\s{{{indent + 4}}}(\w+):", item)
+            if match:
+                names.append(match.group(1))
+    return names
+
+
+def test_raises_sections_are_parsed() -> None:
+    assert raised_names(ignite_ext.data.download_url.__doc__ or "") == [
+        "ValueError",
+        "ChecksumError",
+        "DownloadError",
+        "ArchiveError",
+    ]
+
+
+def test_every_error_named_in_a_raises_section_is_importable_from_a_public_module() -> None:
+    # Private modules (a segment starting with "_") may name their own internal signals, which never escape.
+    public = set(errors.__all__) | {n for n in dir(builtins) if n.endswith(("Error", "Exception"))}
+    documented = [(where, doc) for where, doc in _docstrings() if not re.search(r"\._[a-z]", where.rsplit(".", 1)[0])]
+    missing = [f"{where}: {name}" for where, doc in documented for name in raised_names(doc) if name not in public]
+    assert missing == []
+
+
+def test_a_dead_rank_is_typed_not_a_string() -> None:
+    dead = RankFailure(3, RankDiedError.__name__, "no heartbeat for 30 s", died=True)
+    err = RankFailedError([RankFailure(1, "OSError", "disk full"), dead], "waiting")
+    assert err.ranks == (1, 3) and err.dead == (3,)
+    assert "rank 3 died: no heartbeat" in str(err)
+
+
+def test_a_lost_store_names_no_rank() -> None:
+    err = StoreLostError("DistNetworkError: Connection reset by peer", "rank 2 waiting for rank 0")
+    assert isinstance(err, RankFailedError) and err.ranks == () and err.failures == ()
+    assert "rendezvous store" in str(err) and "-1" not in str(err)
+
+
+@pytest.mark.parametrize(
+    "err",
+    [
+        RankFailedError([RankFailure(0, "OSError", "x")], "ctx"),
+        RankDiedError([RankFailure(1, "RankDiedError", "y", died=True)], "ctx"),
+        StoreLostError("gone", "ctx"),
+        DownloadError("u: HTTP 404", url="u", status=404),
+        ArchiveError("bad"),
+        ShmSpaceError("full"),
+    ],
+)
+def test_errors_cross_process_boundaries(err: Exception) -> None:
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is type(err) and str(back) == str(err)

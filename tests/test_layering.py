@@ -1,0 +1,156 @@
+"""The layering rules of docs/architecture.rst, checked on the import statements of the source tree.
+
+* ``ignite_ext.distributed`` never imports ``ignite_ext.data`` (nor the demo);
+* a capability subpackage of ``ignite_ext.data`` (``download``, ``sampler``, ``cache``) imports another one, and
+  ``ignite_ext.distributed``, only through public modules (no ``_private`` module of another package);
+* ``ignite_ext.errors`` and ``ignite_ext._fs`` import nothing of the package but ``ignite_ext.errors``;
+* benchmarks and examples import neither ``tests`` nor any private module of the package.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "ignite_ext"
+CAPABILITIES = ("download", "sampler", "cache")
+# Private modules of the top package that every part of it may use.
+_BASE_MODULES = ("ignite_ext._fs", "ignite_ext._version")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports(path: Path) -> list[str]:
+    """Every module ``path`` imports (absolute names; ``from a import b`` counts as ``a`` and ``a.b``)."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = _module_name(path) if path.name == "__init__.py" else _module_name(path).rpartition(".")[0]
+    found: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            found.append(base)
+            found += [f"{base}.{alias.name}" for alias in node.names]
+    return found
+
+
+def _private(module: str) -> bool:
+    return any(part.startswith("_") and not part.startswith("__") for part in module.split("."))
+
+
+def _owner(module: str) -> str:
+    """The package a module belongs to for the layering: ``ignite_ext.data.<capability>`` or the top package."""
+    parts = module.split(".")
+    if parts[:2] == ["ignite_ext", "data"] and len(parts) > 2 and parts[2] in CAPABILITIES:
+        return ".".join(parts[:3])
+    return ".".join(parts[:2])
+
+
+def _sources(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def violations() -> list[str]:
+    found = []
+    for path in _sources(PACKAGE):
+        me = _module_name(path)
+        owner = _owner(me)
+        for target in imports(path):
+            if not target.startswith("ignite_ext"):
+                continue
+            where = f"{path.relative_to(ROOT)} imports {target}"
+            if me.startswith("ignite_ext.distributed") and target.startswith(("ignite_ext.data", "ignite_ext.demo")):
+                found.append(f"{where}: distributed must not depend on data")
+            if me in ("ignite_ext.errors", "ignite_ext._fs") and target not in ("ignite_ext.errors",):
+                if not target.startswith("ignite_ext.errors"):
+                    found.append(f"{where}: the base modules import nothing of the package but the errors")
+            if _owner(target) != owner and _private(target) and not target.startswith(_BASE_MODULES):
+                found.append(f"{where}: another package's private module")
+    for directory in ("benchmarks", "examples"):
+        for path in _sources(ROOT / directory):
+            for target in imports(path):
+                if target == "tests" or target.startswith("tests."):
+                    found.append(f"{path.relative_to(ROOT)} imports {target}: not from the tests")
+                elif target.startswith("ignite_ext") and _private(target):
+                    found.append(f"{path.relative_to(ROOT)} imports {target}: a private module")
+    return found
+
+
+def test_layering_rules_hold() -> None:
+    assert violations() == []
+
+
+def test_the_checker_sees_a_violation(tmp_path: Path) -> None:
+    # The rules must be able to fail: a distributed module importing data, and a private cross-package import.
+    bad = PACKAGE / "distributed" / "_layering_probe.py"
+    bad.write_text("from ignite_ext.data.cache import arena\nfrom ignite_ext.data.download._http import Validator\n")
+    try:
+        found = violations()
+    finally:
+        bad.unlink()
+    assert any("distributed must not depend on data" in v for v in found), found
+    assert any("private module" in v and "_http" in v for v in found), found
+
+
+@pytest.mark.parametrize(
+    ("statement", "absent"),
+    [
+        ("import ignite_ext.data", ("torch", "numpy", "ignite", "fcntl")),
+        ("from ignite_ext.data import download_url, extract_archive, DownloadError", ("torch", "numpy", "ignite")),
+        ("import ignite_ext.errors", ("torch", "numpy", "ignite")),
+        ("import ignite_ext.__main__", ("torch", "numpy", "ignite", "tqdm", "filelock")),
+    ],
+)
+def test_lazy_faces_import_nothing_heavy(statement: str, absent: tuple[str, ...]) -> None:
+    code = f"import sys\n{statement}\nprint(sorted(m for m in {absent!r} if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_lazy_face_loads_the_capability_on_first_use() -> None:
+    code = (
+        "import sys, ignite_ext.data as d\n"
+        "assert 'torch' not in sys.modules\n"
+        "from ignite_ext.data import ShardedDistributedSampler\n"
+        "print('torch' in sys.modules, ShardedDistributedSampler.__module__)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.split() == ["True", "ignite_ext.data.sampler.sharded"]
+
+
+def test_the_download_path_imports_without_fcntl() -> None:
+    # What Windows lacks: with fcntl unimportable, the download helpers and the CLI still import and parse.
+    code = (
+        "import sys\n"
+        "sys.modules['fcntl'] = None\n"
+        "from ignite_ext.data import download_url, extract_archive\n"
+        "from ignite_ext.__main__ import main\n"
+        "print(main(['--version']))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.split()[-1] == "0", out.stdout
+
+
+def test_cli_help_is_plain_text_and_fast() -> None:
+    for args in (["--help"], ["download", "--help"], ["--version"]):
+        out = subprocess.run(
+            [sys.executable, "-X", "importtime", "-m", "ignite_ext", *args], capture_output=True, text=True, timeout=60
+        )
+        assert out.returncode == 0, out.stderr
+        assert "``" not in out.stdout and ".. " not in out.stdout and ":func:" not in out.stdout, out.stdout
+        loaded = {line.split("|")[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time")}
+        assert not loaded & {"torch", "numpy", "ignite", "tqdm", "filelock"}, sorted(loaded)
