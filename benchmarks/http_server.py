@@ -88,10 +88,12 @@ class TestHTTPServer:
 
     @property
     def base(self) -> str:
+        """``http://127.0.0.1:<port>``."""
         host, port = self._httpd.server_address[:2]
         return f"http://{host!s}:{port}"
 
     def url(self, path: str) -> str:
+        """The URL of ``path`` on this server."""
         return self.base + path
 
     def add(
@@ -105,29 +107,36 @@ class TestHTTPServer:
         return self.url(path)
 
     def fault(self, path: str, **kwargs: object) -> None:
+        """Make ``path`` misbehave as the :class:`Fault` fields given say."""
         with self.state.lock:
             self.state.faults[path] = Fault(**kwargs)  # type: ignore[arg-type]
 
     def clear_fault(self, path: str) -> None:
+        """Serve ``path`` normally again."""
         with self.state.lock:
             self.state.faults.pop(path, None)
 
     def set_throttle(self, bps: float | None) -> None:
+        """Pace all bodies together at ``bps`` bytes per second (None: no limit)."""
         with self.state.lock:
             self.state.throttle_bps = bps
 
     def requests(self, path: str) -> list[Request]:
+        """The requests made for ``path`` so far."""
         with self.state.lock:
             return [r for r in self.state.log if r.path == path]
 
     def bytes_served(self, path: str) -> int:
+        """Body bytes sent for ``path`` so far."""
         return sum(r.sent for r in self.requests(path))
 
     def counts(self) -> Counter[str]:
+        """Requests per path so far."""
         with self.state.lock:
             return Counter(r.path for r in self.state.log)
 
     def close(self) -> None:
+        """Stop serving and release stalled handlers."""
         self.state.stop.set()  # releases stalled handlers
         self._httpd.shutdown()
         self._httpd.server_close()

@@ -37,9 +37,9 @@ def test_every_exception_class_of_the_package_derives_from_the_root() -> None:
     found = set()
     for module in _modules():
         for value in vars(module).values():
-            if isinstance(value, type) and issubclass(value, BaseException):
-                if value.__module__.startswith("ignite_ext"):
-                    found.add(value)
+            exception = isinstance(value, type) and issubclass(value, BaseException)
+            if exception and value.__module__.startswith("ignite_ext"):
+                found.add(value)
     assert {ArchiveError, ChecksumError, DownloadError, RankDiedError, StoreLostError, ShmSpaceError} <= found
     assert [cls.__qualname__ for cls in found if not issubclass(cls, IgniteExtError)] == []
 
