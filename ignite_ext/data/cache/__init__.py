@@ -4,7 +4,7 @@ The modules of this package:
 
 * ``dataset``: :class:`CachedDataset` and :class:`CacheStats`: load once, serve every worker and rank of a node;
 * ``arena``: :class:`~ignite_ext.data.cache.arena.Arena`, one ``/dev/shm`` file per cache: index table, counters,
-  bump-allocated data, publish-when-complete;
+  bump-allocated data, publish-when-complete (its file layout in ``_mapping``);
 * ``shm``: the shared-memory directory: free space, what live caches may still claim, the sweep of stale arenas;
 * ``codec``: sample to bytes and back (a pickled skeleton plus the raw bytes of tensors and arrays);
 * ``_cow``: copy-on-write views of the cache file, so large buffers are lent, not copied;

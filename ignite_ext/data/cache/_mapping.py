@@ -1,0 +1,157 @@
+"""The layout of an arena file, and what one process holds of it (its mapping, descriptors and views).
+
+See :mod:`ignite_ext.data.cache.arena` for what the parts are for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import threading
+from dataclasses import dataclass
+
+from ignite_ext.data.cache._cow import CowMap
+
+__all__ = [
+    "ALIGN",
+    "BYTES",
+    "EMPTY",
+    "ENTRIES",
+    "ENTRY_WORDS",
+    "HEADER_BYTES",
+    "HITS",
+    "H_CAPACITY",
+    "H_DATA",
+    "H_FULL",
+    "H_MAGIC",
+    "H_N",
+    "H_ROWS",
+    "H_STATS",
+    "H_TABLE",
+    "H_USED",
+    "H_VERSION",
+    "MAGIC",
+    "MAX_WORKERS",
+    "MISSES",
+    "OWNER",
+    "READY",
+    "SHARED_SLOT",
+    "SLOTS_PER_ROW",
+    "SLOT_WORDS",
+    "VERSION",
+    "Local",
+    "Origin",
+    "aligned",
+    "close_local",
+    "open_local",
+    "origin_of",
+    "reopen",
+]
+
+MAGIC = 0x49474E4954455843  # "IGNITEXC"
+VERSION = 1
+HEADER_BYTES = 4096
+ALIGN = 64
+
+# Header words.
+H_MAGIC, H_VERSION, H_N, H_CAPACITY, H_TABLE, H_STATS, H_DATA, H_USED, H_ROWS, H_FULL = range(10)
+# Index table: three words per dataset index.
+ENTRY_WORDS = 3
+EMPTY, READY = 0, 1
+# Counters: one 64-byte slot (its own cache line, since each slot has one writer) per process of a row.
+SLOT_WORDS = 8
+OWNER, HITS, MISSES, ENTRIES, BYTES = range(5)
+#: Slot 0 is a rank's main process, slots 1..MAX_WORKERS its DataLoader workers; the last slot is shared (locked).
+MAX_WORKERS = 64
+SLOTS_PER_ROW = MAX_WORKERS + 2
+SHARED_SLOT = SLOTS_PER_ROW - 1
+
+
+def aligned(n: int, align: int = ALIGN) -> int:
+    return (n + align - 1) // align * align
+
+
+@dataclass
+class Local:
+    """What one process holds of an arena: its mapping, its own lock descriptor and views of the words."""
+
+    pid: int
+    mm: mmap.mmap
+    arena_fd: int
+    lock_fd: int
+    header: memoryview
+    table: memoryview
+    stats: memoryview
+    data: memoryview
+    claimed: dict[int, int]  # row -> this process's counter slot in that row
+    # flock excludes other processes only: threads of this process share its descriptor, so they take this first.
+    thread_lock: threading.Lock
+    cow: CowMap | None = None  # the copy-on-write mapping that lends large buffers, once opened
+    cow_opened: bool = False
+
+
+#: Where a process that has the files open can be reached: (pid, arena fd, arena inode, lock fd, lock inode).
+Origin = tuple[int, int, int, int, int]
+
+
+def reopen(path: str, pid: int | None, fd: int, inode: int) -> int:
+    """Open ``path``, or, once its creator has exited and deleted it, the same file through ``pid``'s descriptor."""
+    try:
+        return os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        if pid is None:
+            raise
+    try:
+        new = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)  # a fresh open file description of the same inode
+    except OSError:
+        raise FileNotFoundError(f"{path} is gone: the process that created the cache has exited") from None
+    if os.fstat(new).st_ino != inode:  # that descriptor number now names another file
+        os.close(new)
+        raise FileNotFoundError(f"{path} is gone: the process that created the cache has exited")
+    return new
+
+
+def origin_of(local: Local, pid: int) -> Origin:
+    return (pid, local.arena_fd, os.fstat(local.arena_fd).st_ino, local.lock_fd, os.fstat(local.lock_fd).st_ino)
+
+
+def open_local(
+    path: str, origin: Origin | None = None, arena_fd: int | None = None, mm: mmap.mmap | None = None
+) -> Local:
+    pid, afd, aino, lfd, lino = origin if origin is not None else (None, -1, -1, -1, -1)
+    lock_fd = reopen(path[: -len(".arena")] + ".lock", pid, lfd, lino)
+    if arena_fd is None:
+        arena_fd = reopen(path, pid, afd, aino)
+    if mm is None:
+        mm = mmap.mmap(arena_fd, 0, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    whole = memoryview(mm)
+    header = whole[:HEADER_BYTES].cast("Q")
+    if header[H_MAGIC] != MAGIC or header[H_VERSION] != VERSION:
+        raise RuntimeError(f"{path} is not a cache arena of this version")
+    n, rows = header[H_N], header[H_ROWS]
+    table_off, stats_off, data_off = header[H_TABLE], header[H_STATS], header[H_DATA]
+    return Local(
+        pid=os.getpid(),
+        mm=mm,
+        arena_fd=arena_fd,
+        lock_fd=lock_fd,
+        header=header,
+        table=whole[table_off : table_off + n * ENTRY_WORDS * 8].cast("Q"),
+        stats=whole[stats_off : stats_off + rows * SLOTS_PER_ROW * SLOT_WORDS * 8].cast("Q"),
+        data=whole[data_off : data_off + header[H_CAPACITY]],
+        claimed={},
+        thread_lock=threading.Lock(),
+    )
+
+
+def close_local(local: Local) -> None:
+    if local.cow is not None:
+        local.cow.close()
+    for view in (local.header, local.table, local.stats, local.data):
+        view.release()
+    with contextlib.suppress(BufferError):  # a caller still holds a view: the mapping goes with the process
+        local.mm.close()
+    for fd in (local.arena_fd, local.lock_fd):
+        with contextlib.suppress(OSError):
+            os.close(fd)
