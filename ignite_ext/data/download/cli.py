@@ -11,7 +11,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-__all__ = ["add_cli_arguments", "cli"]
+__all__ = ["EXIT_CHECKSUM", "EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_USAGE", "add_cli_arguments", "cli"]
+
+#: Exit status: the download (or the extraction) failed.
+EXIT_FAILED = 1
+#: Exit status: bad arguments (argparse uses it too).
+EXIT_USAGE = 2
+#: Exit status: the bytes had another digest than expected, from every source.
+EXIT_CHECKSUM = 3
+#: Exit status: interrupted (128 + SIGINT).
+EXIT_INTERRUPTED = 130
 
 
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,7 +59,9 @@ def cli(args: argparse.Namespace) -> int:
         args: parsed by a parser set up with :func:`add_cli_arguments`.
 
     Returns:
-        0 on success, 1 on failure.
+        0 on success; :data:`EXIT_FAILED` (1) when the download or the extraction failed, :data:`EXIT_USAGE` (2)
+        for bad arguments (a malformed digest, an unsupported URL scheme), :data:`EXIT_CHECKSUM` (3) when every
+        source served bytes with another digest, :data:`EXIT_INTERRUPTED` (130) on Ctrl-C.
 
     Examples:
         >>> import argparse, tempfile
@@ -69,6 +80,7 @@ def cli(args: argparse.Namespace) -> int:
     .. versionadded:: 0.1.0
     """
     from ignite_ext.data.download.fetch import download_url
+    from ignite_ext.errors import ArchiveError, ChecksumError
 
     try:
         path = download_url(
@@ -83,9 +95,16 @@ def cli(args: argparse.Namespace) -> int:
             retries=args.retries,
             progress=args.progress,
         )
-    except (OSError, ValueError) as exc:  # ArchiveError is a ValueError
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # a job prologue wants one line to log and a status to branch on, never a traceback
         message = " ".join(str(exc).split())
         print(f"error: {type(exc).__name__}: {message}", file=sys.stderr)
-        return 1
+        if isinstance(exc, ChecksumError):
+            return EXIT_CHECKSUM
+        if isinstance(exc, ValueError) and not isinstance(exc, ArchiveError):
+            return EXIT_USAGE
+        return EXIT_FAILED
     print(path)
     return 0

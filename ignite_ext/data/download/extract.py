@@ -157,7 +157,7 @@ def _extract_atomically(
     temp.mkdir()
     try:
         logger.info("extracting %s into %s", archive, dest)
-        _extract_checked(archive, kind, temp, max_total_bytes)
+        _extract_checked(archive, kind, temp, max_total_bytes, dest)
         check_links(temp)
         (temp / _RECORD).write_text(json.dumps(dict(identity), sort_keys=True), encoding="utf-8")
         _publish(temp, dest, identity)
@@ -165,7 +165,7 @@ def _extract_atomically(
         shutil.rmtree(temp, ignore_errors=True)
 
 
-def _extract_checked(archive: Path, kind: str, dest: Path, max_total_bytes: int) -> None:
+def _extract_checked(archive: Path, kind: str, dest: Path, max_total_bytes: int, shown_as: Path) -> None:
     try:
         if kind == "tar":
             extract_tar(archive, dest, max_total_bytes)
@@ -173,7 +173,10 @@ def _extract_checked(archive: Path, kind: str, dest: Path, max_total_bytes: int)
             extract_zip(archive, dest, max_total_bytes)
     except UNREADABLE as exc:
         if isinstance(exc, OSError) and exc.errno is not None:
-            raise  # the disk, not the archive (gzip and bz2 report corrupt streams as OSError without errno)
+            # The disk, not the archive (gzip and bz2 report corrupt streams as OSError without errno): say which
+            # archive and which destination, not the private directory the error names.
+            shown = str(exc).replace(str(dest), f"<{shown_as}>")
+            raise OSError(exc.errno, f"extracting {archive.name} into {shown_as}: {shown}") from exc
         refused = isinstance(exc, getattr(tarfile, "FilterError", ()))  # PEP 706, Python 3.11.4+
         what = "refused by tarfile's data filter" if refused else "unreadable archive"
         raise ArchiveError(f"{archive.name}: {what}: {exc}") from exc
