@@ -1,9 +1,10 @@
-"""Test bodies of the backend matrix: each runs on every rank of a world, under whatever backend idist has.
+"""Test bodies shared by the backend matrix (``tests/backends``) and the scheduler tests.
 
-A body asserts what it can see from its own rank (a failed assertion fails that rank, and so the test) and
+Each body runs on every rank of a world (``world(_bodies.master_first, ...)``), under whatever backend idist
+has. A body asserts what it can see from its own rank (a failed assertion fails that rank, and so the test) and
 returns a small, picklable summary for the checks that need every rank's view. Bodies only use what every
 backend offers (``idist`` collectives of small tensors and strings, files in a shared directory), so the
-same body runs in serial mode, over gloo, NCCL, Horovod and XLA.
+same body runs in serial mode, over gloo (store or collective scheduler channel), NCCL, Horovod and XLA.
 
 Cross-rank order is read from an event log: every rank appends ``"<rank> <node> <event>"`` lines to one file
 in a directory all ranks share, with one ``O_APPEND`` write per line, so lines never interleave.
@@ -16,6 +17,7 @@ import math
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +55,7 @@ def _world_sum(value: int) -> int:
     return int(idist.all_reduce(torch.tensor([value], device=idist.device())).item())
 
 
-def _test_identity() -> dict[str, Any]:
+def identity() -> dict[str, Any]:
     """What idist reports on this rank: the tests check that each world really runs on its backend."""
     return {
         "backend": idist.backend(),
@@ -68,95 +70,135 @@ def _test_identity() -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------- scheduling
 
 
-def _test_master_first(workdir: str) -> dict[str, Any]:
-    """MasterFirst: only the chosen rank's turn is truthy, and it finishes before any other rank starts."""
-    rank, ws = idist.get_rank(), idist.get_world_size()
-    flags = []
-    for name, chosen in (("rank0", 0), ("last", ws - 1)):
-        with idist.one_rank_first(rank=chosen) as turn:
-            _log(workdir, name, "start")
-            if turn:
-                time.sleep(0.3)  # long enough that a rank not waiting would start meanwhile
-            _log(workdir, name, "end")
-        assert bool(turn) == (rank == chosen), (name, rank, bool(turn))
-        assert turn.leader == chosen
-        flags.append(bool(turn))
-    _barrier()  # every rank has logged before any reads
-    for name, chosen in (("rank0", 0), ("last", ws - 1)):
-        events = _events(workdir, name)
-        assert len(events) == 2 * ws, events
-        first_end = events.index((chosen, chosen // idist.get_nproc_per_node(), "end"))
-        for i, (r, _, e) in enumerate(events):
-            if r != chosen and e == "start":
-                assert i > first_end, f"{name}: rank {r} started before rank {chosen} finished: {events}"
-    _barrier()
-    return {"flags": flags}
+def observe(
+    block: Callable[[Any], Any],
+    make_cm: Callable[[], Any],
+    catch: tuple[type[BaseException], ...] = (Exception,),
+) -> dict[str, Any]:
+    """Enter the scheduler, run ``block(turn)`` inside; report what happened on this rank.
 
-
-def _test_master_first_local(workdir: str) -> dict[str, Any]:
-    """MasterFirst(local=True): local rank 0 of each node goes first on its node; nodes do not wait for each other."""
-    local, node = idist.get_local_rank(), idist.get_node_rank()
-    with idist.one_rank_first(local=True) as turn:
-        _log(workdir, "local", "start")
-        if turn:
-            time.sleep(0.3)
-        _log(workdir, "local", "end")
-    assert bool(turn) == (local == 0)
-    assert turn.leader == node * idist.get_nproc_per_node()
-    _barrier()
-    events = _events(workdir, "local")
-    for n in range(idist.get_nnodes()):
-        leader = n * idist.get_nproc_per_node()
-        mine = [(i, r, e) for i, (r, nn, e) in enumerate(events) if nn == n]
-        leader_end = next(i for i, r, e in mine if r == leader and e == "end")
-        assert all(i > leader_end for i, r, e in mine if r != leader and e == "start"), events
-    _barrier()
-    return {"first": bool(turn), "node": node}
-
-
-def _test_ordered(workdir: str) -> dict[str, Any]:
-    """Ordered: ranks run the block one at a time, in rank order."""
-    ws = idist.get_world_size()
-    with idist.rank_scheduler(order=idist.Ordered()):
-        _log(workdir, "ordered", "start")
-        time.sleep(0.05)
-        _log(workdir, "ordered", "end")
-    _barrier()
-    events = [(r, e) for r, _, e in _events(workdir, "ordered")]
-    assert events == [(r, e) for r in range(ws) for e in ("start", "end")], events
-    _barrier()
-    return {"events": len(events)}
-
-
-def _test_first_rank_failure() -> dict[str, Any]:
-    """The first rank raises in its block: it gets its error back, every other rank a RankFailedError."""
-    rank, ws = idist.get_rank(), idist.get_world_size()
-    ran = False
-    outcome = "ok"
+    An exception of ``catch`` (from the scheduler or the block) becomes the reported ``outcome``; any other one
+    fails the rank. Times are ``time.monotonic()``, comparable across the ranks of one machine.
+    """
+    seen: dict[str, Any] = {"rank": idist.get_rank(), "node": idist.get_node_rank(), "ran": False}
+    seen["entered"] = time.monotonic()
     try:
-        with idist.one_rank_first():
-            ran = True
-            if rank == 0:
-                raise OSError("disk full on rank 0")
-    except OSError as exc:
-        outcome = "OSError"
-        assert rank == 0 and "disk full on rank 0" in str(exc)
-    except idist.RankFailedError as exc:
-        outcome = "RankFailedError"
-        assert rank != 0, "the failing rank must get its own error back"
-        assert list(exc.ranks) == [0], exc.ranks
-        assert [(f.rank, f.exc_type, f.message) for f in exc.failures] == [(0, "OSError", "disk full on rank 0")]
-    assert outcome == ("OSError" if rank == 0 else "RankFailedError"), outcome
-    assert ran == (rank == 0), "a waiting rank ran the block after the first rank failed"
-    # The world is still usable afterwards: nothing was left half-way through a collective.
-    assert _world_sum(1) == ws
-    return {"outcome": outcome, "ran": ran}
+        with make_cm() as turn:
+            seen["first"] = bool(turn)
+            seen["leader"] = turn.leader
+            seen["ran"] = True
+            seen["start"] = time.monotonic()
+            try:
+                block(turn)
+            finally:
+                seen["end"] = time.monotonic()
+        seen["outcome"] = "ok"
+    except catch as exc:
+        if isinstance(exc, idist.RankFailedError):
+            seen.update(outcome="RankFailedError", ranks=list(exc.ranks), message=str(exc))
+            seen["failures"] = [(f.rank, f.exc_type, f.message) for f in exc.failures]
+        else:
+            seen.update(outcome=type(exc).__name__, message=str(exc))
+    seen["left"] = time.monotonic()
+    return seen
+
+
+def _logged_turn(workdir: str, name: str, chosen: int, local: bool) -> dict[str, Any]:
+    def block(turn: Any) -> None:
+        _log(workdir, name, "start")
+        if turn:
+            time.sleep(0.3)  # long enough that a rank not waiting would start meanwhile
+        _log(workdir, name, "end")
+
+    return observe(block, lambda: idist.one_rank_first(chosen, local))
+
+
+def master_first(workdir: str, turns: list[tuple[int, bool]]) -> list[dict[str, Any]]:
+    """``one_rank_first(rank, local)`` once per turn: only the chosen rank of each group (the world, or each node
+    with ``local=True``) has a truthy turn, and it finishes before any other rank of its group starts.
+
+    Checked on every rank from the event log in ``workdir`` (created if missing; one directory per call);
+    returns this rank's :func:`observe` report of every turn.
+    """
+    Path(workdir).mkdir(parents=True, exist_ok=True)
+    rank, ws = idist.get_rank(), idist.get_world_size()
+    npn, node = idist.get_nproc_per_node(), idist.get_node_rank()
+    seen = []
+    for i, (chosen, local) in enumerate(turns):
+        turn = _logged_turn(workdir, f"turn{i}", chosen, local)
+        leader = node * npn + chosen if local else chosen
+        assert turn["outcome"] == "ok", turn
+        assert turn["first"] == (rank == leader), (i, rank, turn["first"])
+        assert turn["leader"] == leader, (i, rank, turn["leader"])
+        seen.append(turn)
+    _barrier()  # every rank has logged before any reads
+    for i, (chosen, local) in enumerate(turns):
+        events = _events(workdir, f"turn{i}")
+        assert len(events) == 2 * ws, events
+        groups = [range(n * npn, (n + 1) * npn) for n in range(idist.get_nnodes())] if local else [range(ws)]
+        for group in groups:
+            leader = group[0] + chosen if local else chosen
+            mine = [(k, r, e) for k, (r, _, e) in enumerate(events) if r in group]
+            leader_end = next(k for k, r, e in mine if r == leader and e == "end")
+            for k, r, e in mine:
+                if r != leader and e == "start":
+                    assert k > leader_end, f"turn {i}: rank {r} started before rank {leader} finished: {events}"
+    _barrier()
+    return seen
+
+
+def ordered(workdir: str, local: bool = False) -> dict[str, Any]:
+    """``Ordered(local=local)``: ranks run the block one at a time, in rank order (within each node when local).
+
+    Checked on every rank from the event log in ``workdir`` (created if missing); returns this rank's
+    :func:`observe` report with the number of logged events.
+    """
+    Path(workdir).mkdir(parents=True, exist_ok=True)
+    ws, npn = idist.get_world_size(), idist.get_nproc_per_node()
+
+    def block(turn: Any) -> None:
+        _log(workdir, "ordered", "start")
+        time.sleep(0.1)
+        _log(workdir, "ordered", "end")
+
+    seen = observe(block, lambda: idist.rank_scheduler(order=idist.Ordered(local=local)))
+    assert seen["outcome"] == "ok", seen
+    _barrier()
+    events = _events(workdir, "ordered")
+    groups = [range(n * npn, (n + 1) * npn) for n in range(idist.get_nnodes())] if local else [range(ws)]
+    for group in groups:
+        mine = [(r, e) for r, _, e in events if r in group]
+        assert mine == [(r, e) for r in group for e in ("start", "end")], events
+    _barrier()
+    seen["events"] = len(events)
+    return seen
+
+
+def _raise_on(rank: int) -> Callable[[Any], None]:
+    def block(turn: Any) -> None:
+        time.sleep(0.1)
+        if idist.get_rank() == rank:
+            raise OSError(f"disk full on rank {rank}")
+
+    return block
+
+
+def fail(policy: str, failing: int) -> dict[str, Any]:
+    """Rank ``failing`` raises ``OSError`` in its block (``policy``: ``"master"`` or ``"ordered"``).
+
+    Returns this rank's :func:`observe` report, and the sum of a collective afterwards: the world is still usable,
+    nothing was left half-way through a collective.
+    """
+    order = idist.MasterFirst() if policy == "master" else idist.Ordered()
+    seen = observe(_raise_on(failing), lambda: idist.rank_scheduler(order=order))
+    seen["sum"] = _world_sum(1)
+    return seen
 
 
 # ----------------------------------------------------------------------------------------------- data
 
 
-def _test_download_in_one_rank_first(workdir: str, url: str, sha256: str) -> dict[str, Any]:
+def download_in_one_rank_first(workdir: str, url: str, sha256: str) -> dict[str, Any]:
     """download_url inside one_rank_first: the first rank fetches, the others find the published file."""
     root = Path(workdir, "data")
     dest = root / url.rsplit("/", 1)[-1]
@@ -175,7 +217,7 @@ def _test_download_in_one_rank_first(workdir: str, url: str, sha256: str) -> dic
     return {"first": bool(turn), "existed": existed, "ident": ident, "files": sorted(os.listdir(root))}
 
 
-def _test_sampler_defaults(n: int) -> dict[str, Any]:
+def sampler_defaults(n: int) -> dict[str, Any]:
     """ShardedDistributedSampler(ds) takes the world size and rank (and node layout) from idist."""
     ws, rank = idist.get_world_size(), idist.get_rank()
     ds = list(range(n))
@@ -192,7 +234,7 @@ def _test_sampler_defaults(n: int) -> dict[str, Any]:
     return {"num_replicas": sampler.num_replicas, "rank": sampler.rank, "node_rank": by_node.node_rank}
 
 
-def _test_cache_stats_reduction() -> dict[str, Any]:
+def cache_stats_reduction() -> dict[str, Any]:
     """CachedDataset.stats(reduce=...) sums every rank's counters (world) or its node's (node)."""
     ws, rank = idist.get_world_size(), idist.get_rank()
     npn, node = idist.get_nproc_per_node(), idist.get_node_rank()
@@ -218,33 +260,32 @@ def _test_cache_stats_reduction() -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------- waiting
 
 
-def _test_long_first_rank(seconds: float, timeout: float | None) -> dict[str, Any]:
-    """The first rank works ``seconds`` inside one_rank_first(timeout=timeout); report what each rank saw."""
-    outcome, ran = "ok", False
-    start = time.monotonic()
-    try:
-        with idist.one_rank_first(timeout=timeout) as turn:
-            ran = True
-            if turn:
-                time.sleep(seconds)
-    except TimeoutError:
-        outcome = "TimeoutError"
-    except idist.RankFailedError:
-        outcome = "RankFailedError"
-    waited = time.monotonic() - start
-    # Only after a clean run is the world known to be in step for one more collective.
-    total = _world_sum(1) if outcome == "ok" else None
-    return {"outcome": outcome, "ran": ran, "waited": waited, "sum": total}
+def long_first_rank(seconds: float, timeout: float | None = None) -> dict[str, Any]:
+    """The first rank works ``seconds`` inside ``one_rank_first(timeout=timeout)``; report what each rank saw.
+
+    ``waited`` is the time from entering the scheduler to leaving it; ``sum`` (after a clean run only: only then
+    is the world known to be in step for one more collective) shows that no collective timed out underneath.
+    """
+
+    def block(turn: Any) -> None:
+        if turn:
+            time.sleep(seconds)
+
+    catch = (TimeoutError, idist.RankFailedError)
+    seen = observe(block, lambda: idist.one_rank_first(timeout=timeout), catch=catch)
+    seen["waited"] = seen["left"] - seen["entered"]
+    seen["sum"] = _world_sum(1) if seen["outcome"] == "ok" else None
+    return seen
 
 
-def _test_first_rank_killed() -> dict[str, Any]:
-    """Rank 1 runs first and is SIGKILLed inside the block; report what the ranks waiting for it saw."""
-    outcome, ran, message = "ok", False, ""
-    try:
-        with idist.one_rank_first(rank=1) as turn:
-            ran = True
-            if turn:
-                os.kill(os.getpid(), signal.SIGKILL)
-    except idist.RankFailedError as exc:
-        outcome, message = "RankFailedError", str(exc)
-    return {"outcome": outcome, "ran": ran, "message": message}
+def killed(victim: int) -> dict[str, Any]:
+    """Rank ``victim`` runs first and is SIGKILLed inside the block; report what the ranks waiting for it saw.
+
+    Only a ``RankFailedError`` becomes a reported outcome: any other error (e.g. Horovod's own) fails the rank.
+    """
+
+    def block(turn: Any) -> None:
+        if idist.get_rank() == victim:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return observe(block, lambda: idist.one_rank_first(rank=victim), catch=(idist.RankFailedError,))

@@ -1,11 +1,12 @@
-"""Run bodies of :mod:`tests.backends._bodies` on a world started by ``idist.Parallel`` (Horovod, XLA).
+"""Run bodies (module-level functions) on a world started by ``idist.Parallel`` (Horovod, XLA).
 
 ``python -m tests.backends._launch BACKEND NPROC JOBDIR`` starts the world once and serves jobs: starting a
 Horovod world costs tens of seconds on a small machine (every rank imports torch and horovod), so one world runs
-many bodies. The parent publishes ``JOBDIR/job<n>.pkl`` (``(body, args)``, by an atomic rename); every rank runs
-the jobs in order and writes what it returned or raised to ``JOBDIR/job<n>.rank<r>.pkl``, so the parent learns
-each rank's outcome even when some ranks fail. A job ``(None, ())`` ends the world. The parent enforces every
-deadline and kills the whole process tree when one passes (or when a body broke the world).
+many bodies. The parent (``tests._world.LaunchedWorld``) publishes ``JOBDIR/job<n>.pkl`` (``(fn, args)``, by an
+atomic rename; ``fn`` is pickled by reference, so every rank imports its module); every rank runs the jobs in
+order and writes what it returned or raised to ``JOBDIR/job<n>.rank<r>.pkl``, so the parent learns each rank's
+outcome even when some ranks fail. A job ``(None, ())`` ends the world. The parent enforces every deadline and
+kills the whole process tree when one passes (or when a body broke the world).
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ def publish(path: Path, obj: Any) -> None:
 
 def _serve(local_rank: int, jobdir: str) -> None:
     import ignite_ext.distributed as idist
-    from tests.backends import _bodies
 
     rank = idist.get_rank()
     n = 0
@@ -36,12 +36,12 @@ def _serve(local_rank: int, jobdir: str) -> None:
         job = Path(jobdir, f"job{n}.pkl")
         while not job.exists():
             time.sleep(0.02)
-        body, args = pickle.loads(job.read_bytes())
-        if body is None:
-            return
         record: tuple[Any, ...]
         try:
-            record = ("ok", getattr(_bodies, body)(*args))
+            fn, args = pickle.loads(job.read_bytes())  # imports fn's module: that may fail too
+            if fn is None:
+                return
+            record = ("ok", fn(*args))
         except BaseException as exc:  # report everything; the parent decides
             record = ("err", type(exc).__name__, str(exc), traceback.format_exc())
         publish(Path(jobdir, f"job{n}.rank{rank}.pkl"), record)

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.backends.conftest import World
+from tests._world import BACKENDS, World
+from tests.backends import _bodies
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.parametrize("world", BACKENDS, indirect=True)]
 
 
 def test_first_rank_works_longer_than_the_collective_timeout(world: World) -> None:
@@ -21,7 +22,7 @@ def test_first_rank_works_longer_than_the_collective_timeout(world: World) -> No
     if world.nprocs == 1:
         seconds = 1.0  # nobody waits: only the path itself is checked
     seen = world(
-        "_test_long_first_rank", seconds, None, pg_timeout=5.0, env={"HOROVOD_GLOO_TIMEOUT_SECONDS": gloo_timeout}
+        _bodies.long_first_rank, seconds, None, pg_timeout=5.0, env={"HOROVOD_GLOO_TIMEOUT_SECONDS": gloo_timeout}
     )
     assert [s["outcome"] for s in seen] == ["ok"] * world.nprocs
     assert [s["sum"] for s in seen] == [world.nprocs] * world.nprocs, "the world is unusable after the wait"
@@ -29,7 +30,7 @@ def test_first_rank_works_longer_than_the_collective_timeout(world: World) -> No
 
 
 def test_timeout_argument(world: World) -> None:
-    seen = world("_test_long_first_rank", 3.0, 1.0)
+    seen = world(_bodies.long_first_rank, 3.0, 1.0)
     if world.nprocs == 1:
         assert seen[0]["outcome"] == "ok"
     elif world.collective:
@@ -47,7 +48,7 @@ def test_first_rank_killed(world: World) -> None:
         pytest.skip("needs a second rank to kill")
     # The heartbeat setting only matters on native backends; elsewhere the shared world serves (and is discarded).
     env = {} if world.collective else {"IGNITE_EXT_HEARTBEAT_TIMEOUT": "5"}
-    results = world.results("_test_first_rank_killed", env=env)
+    results = world.results(_bodies.killed, 1, env=env)
     assert not results[1].ok and results[1].exc_type is None, "the killed rank cannot have reported"
     others = [r for r in results if r.rank != 1]
     if world.name == "horovod":

@@ -271,6 +271,7 @@ def run_python(code: str, **kwargs: Any) -> subprocess.Popen[str]:
     )
 
 
+@pytest.mark.distributed  # a helper process creates the cache
 def test_shared_memory_is_released_at_normal_exit() -> None:
     proc = run_python(
         """
@@ -288,6 +289,7 @@ def test_shared_memory_is_released_at_normal_exit() -> None:
     assert "resource_tracker" not in err and "leaked" not in err
 
 
+@pytest.mark.distributed  # a helper process creates the cache and is killed
 def test_segments_of_a_killed_run_are_swept_by_the_next() -> None:
     proc = run_python(
         """
@@ -438,6 +440,7 @@ def test_concurrent_default_caches_see_each_others_claims() -> None:
         assert results[0] > 1.9 * results[1]
 
 
+@pytest.mark.distributed  # a forked creator process
 def test_creation_waits_while_another_process_sizes_its_cache() -> None:
     with creators(1) as (directory, start, out, procs):
         with shm.directory_lock(directory):

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from ignite_ext.data import CachedDataset, ShardedDistributedSampler
 from ignite_ext.data.cache.codec import LENDABLE
-from tests._world import run_world, values
+from tests._world import World
 from tests.data.test_cache import CountingDataset
 from tests.data.test_cache_cow import lent
 
@@ -91,9 +91,9 @@ def _train(base: CountingDataset, scope: str, sampler_kind: str) -> dict[str, An
         ("rank", "rank", 4, 256),  # ShardedDistributedSampler(shard_by="rank") pairs with rank scope
     ],
 )
-def test_caches_across_ranks(scope: str, sampler_kind: str, nproc_per_node: int, size: int) -> None:
+def test_caches_across_ranks(world: World, scope: str, sampler_kind: str, nproc_per_node: int, size: int) -> None:
     base = CountingDataset(N, size=size, context="forkserver")
-    out = values(run_world(_train, 4, nproc_per_node=nproc_per_node, args=(base, scope, sampler_kind), deadline=120))
+    out = world(_train, base, scope, sampler_kind, nproc_per_node=nproc_per_node, deadline=120)
     loads = base.loads()
     nodes = 4 // nproc_per_node
     segments = {r["segment"] for r in out}
@@ -134,9 +134,9 @@ def _sizes(base: CountingDataset) -> bool:
 
 
 @pytest.mark.distributed
-def test_node_scope_rejects_ranks_with_different_datasets_on_every_rank() -> None:
+def test_node_scope_rejects_ranks_with_different_datasets_on_every_rank(world: World) -> None:
     base = CountingDataset(N, context="forkserver")
-    assert values(run_world(_sizes, 4, nproc_per_node=2, args=(base,), deadline=60)) == [True] * 4
+    assert world(_sizes, base, nproc_per_node=2, deadline=60) == [True] * 4
 
 
 def test_without_a_process_group_node_scope_is_a_local_cache() -> None:

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from ignite_ext.data.download._http import BACKOFF_ENV
-from tests._world import run_world, values
+from tests._world import World
 from tests.data.http_server import TestHTTPServer
 
 pytestmark = pytest.mark.distributed
@@ -96,16 +96,16 @@ def check_all_got_the_file(results: list[dict[str, Any]], root: Path) -> None:
 
 
 @pytest.mark.parametrize("backend", [None, "gloo"])
-def test_eight_processes_fetch_once(server: TestHTTPServer, tmp_path: Path, backend: str | None) -> None:
+def test_eight_processes_fetch_once(world: World, server: TestHTTPServer, tmp_path: Path, backend: str | None) -> None:
     url = server.add("/a.bin", DATA)
-    results = values(run_world(fetch, 8, backend=backend, args=(url, str(tmp_path), SHA), env=ENV, deadline=60))
+    results = world(fetch, url, str(tmp_path), SHA, nprocs=8, backend=backend, env=ENV, deadline=60)
     check_all_got_the_file(results, tmp_path)
     assert len(server.requests("/a.bin")) == 1
     assert server.bytes_served("/a.bin") == len(DATA)
     assert all(r["waits"] <= 1 for r in results)
 
 
-def test_lock_that_does_nothing_never_corrupts(server: TestHTTPServer, tmp_path: Path) -> None:
+def test_lock_that_does_nothing_never_corrupts(world: World, server: TestHTTPServer, tmp_path: Path) -> None:
     url = server.add("/a.bin", DATA)
     # A partial left by an earlier, interrupted fetch: every process may try to claim it at once.
     parked = tmp_path / f".a.bin.{hashlib.sha256(url.encode()).hexdigest()[:16]}.part"
@@ -113,7 +113,7 @@ def test_lock_that_does_nothing_never_corrupts(server: TestHTTPServer, tmp_path:
     record = {"url": url, "etag": f'"{SHA[:16]}"', "last_modified": None, "inode": parked.stat().st_ino}
     parked.with_name(parked.name + ".json").write_text(json.dumps(record))
     # No checksum: a spliced or truncated file would be published as is, so this checks the files themselves.
-    results = values(run_world(fetch, 8, backend=None, args=(url, str(tmp_path), None, True), env=ENV, deadline=90))
+    results = world(fetch, url, str(tmp_path), None, True, nprocs=8, backend=None, env=ENV, deadline=90)
     check_all_got_the_file(results, tmp_path)
     requests = server.requests("/a.bin")
     assert sum(r.range is not None for r in requests) <= 1  # the parked bytes were claimed at most once
@@ -121,10 +121,9 @@ def test_lock_that_does_nothing_never_corrupts(server: TestHTTPServer, tmp_path:
 
 
 @pytest.mark.parametrize("policy", ["one_rank_first", "SharedPath"])
-def test_inside_the_rank_scheduler(server: TestHTTPServer, tmp_path: Path, policy: str) -> None:
+def test_inside_the_rank_scheduler(world: World, server: TestHTTPServer, tmp_path: Path, policy: str) -> None:
     url = server.add("/a.bin", DATA)
-    args = (url, str(tmp_path), SHA, policy)
-    results = values(run_world(fetch_scheduled, 4, args=args, env=ENV, deadline=60))
+    results = world(fetch_scheduled, url, str(tmp_path), SHA, policy, env=ENV, deadline=60)
     check_all_got_the_file(results, tmp_path)
     assert server.bytes_served("/a.bin") == len(DATA) and len(server.requests("/a.bin")) == 1
     assert [r["first"] for r in results].count(True) == 1

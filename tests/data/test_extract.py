@@ -19,7 +19,7 @@ from ignite_ext._fs import host
 from ignite_ext.data import ArchiveError, download_url, extract_archive
 from ignite_ext.data.download import _members
 from ignite_ext.data.download import extract as ex
-from tests._world import run_world, values
+from tests._world import World
 from tests.data.http_server import TestHTTPServer
 
 Member = tuple[tarfile.TarInfo, bytes | None]
@@ -287,11 +287,11 @@ def extract_without_lock(archive: str, dest: str) -> int:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("lock", [True, False])
-def test_concurrent_extractors(tmp_path: Path, lock: bool) -> None:
+def test_concurrent_extractors(world: World, tmp_path: Path, lock: bool) -> None:
     members = [regular(f"d{i}/f{j}.txt", os.urandom(20_000)) for i in range(10) for j in range(10)]
     archive = make_tar(tmp_path / "big.tar.gz", *members)
     target = extract_counting if lock else extract_without_lock
-    results = values(run_world(target, 4, backend=None, args=(str(archive), str(tmp_path / "out"))))
+    results = world(target, str(archive), str(tmp_path / "out"), backend=None)
     if lock:
         assert sum(results) == 1  # the others waited and found it done
     else:

@@ -466,6 +466,7 @@ def _worker_loader(sampler: ShardedDistributedSampler) -> DataLoader[int]:
     return DataLoader(range(200), batch_size=5, sampler=sampler, num_workers=2, prefetch_factor=2)
 
 
+@pytest.mark.distributed  # DataLoader worker processes
 def test_prefetching_loader_needs_the_loops_count_and_then_resumes_exactly() -> None:
     make = lambda: ShardedDistributedSampler(range(200), num_replicas=2, rank=0, seed=9)  # noqa: E731
     sampler = make()

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from tests._world import run_world, values
+from tests._world import World
 
 N = 203  # not a multiple of 4: some shards pad
 EPOCHS = 2
@@ -46,8 +46,8 @@ def _seen_per_epoch(shard_by: str, n: int, epochs: int) -> dict[str, Any]:
 
 
 @pytest.mark.distributed
-def test_four_ranks_keep_disjoint_shards_that_cover_the_dataset() -> None:
-    results = values(run_world(_seen_per_epoch, 4, args=("rank", N, EPOCHS)))
+def test_four_ranks_keep_disjoint_shards_that_cover_the_dataset(world: World) -> None:
+    results = world(_seen_per_epoch, "rank", N, EPOCHS)
     assert [r["rank"] for r in results] == [0, 1, 2, 3]
     assert all(r["same_sampler"] for r in results)  # auto_dataloader used it as is, not a proxy
     assert all(r["epoch"] == EPOCHS - 1 and len(r["seen"]) == EPOCHS for r in results)
@@ -69,8 +69,8 @@ def test_four_ranks_keep_disjoint_shards_that_cover_the_dataset() -> None:
 
 @pytest.mark.distributed
 @pytest.mark.multinode
-def test_two_nodes_of_two_ranks_share_node_shards() -> None:
-    results = values(run_world(_seen_per_epoch, 4, nproc_per_node=2, args=("node", N, EPOCHS)))
+def test_two_nodes_of_two_ranks_share_node_shards(world: World) -> None:
+    results = world(_seen_per_epoch, "node", N, EPOCHS, nproc_per_node=2)
     assert [r["node"] for r in results] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert [r["idist_node"] for r in results] == [r["node"] for r in results]  # defaults came from idist
     length = -(-N // 4)

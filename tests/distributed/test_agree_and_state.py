@@ -19,7 +19,7 @@ from ignite_ext.distributed._store import BlockKeys, default_store, heartbeat_ke
 from ignite_ext.distributed.agreement import disagreement
 from ignite_ext.distributed.policies import Plan, Policy, Turn, World
 from ignite_ext.errors import ShmSpaceError
-from tests._world import run_world, values
+from tests._world import World as ProcessWorld
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -64,8 +64,8 @@ def body_agree() -> dict[str, Any]:
 
 
 @pytest.mark.distributed
-def test_agree_raises_the_same_error_on_every_rank() -> None:
-    seen = values(run_world(body_agree, 4))
+def test_agree_raises_the_same_error_on_every_rank(world: ProcessWorld) -> None:
+    seen = world(body_agree)
     for rank, s in enumerate(seen):
         assert s["values"] == {"ok": [0, 10, 20, 30]}
         assert s["value_error"]["type"] == "ValueError"
@@ -116,10 +116,12 @@ def body_thread_inside_a_block(shared: str) -> dict[str, Any]:
 
 
 @pytest.mark.distributed
-def test_a_thread_entering_a_scheduler_inside_a_block_runs_a_block_of_its_own(tmp_path: Path) -> None:
+def test_a_thread_entering_a_scheduler_inside_a_block_runs_a_block_of_its_own(
+    world: ProcessWorld, tmp_path: Path
+) -> None:
     # Fast heartbeats (every 0.1 s), so that deleting a block's keys too early would show within the test.
     env = {"IGNITE_EXT_HEARTBEAT_TIMEOUT": "0.6"}
-    seen = values(run_world(body_thread_inside_a_block, 4, args=(str(tmp_path),), env=env, deadline=60))
+    seen = world(body_thread_inside_a_block, str(tmp_path), env=env, deadline=60)
     assert [s["outcome"] for s in seen] == ["ok"] * 4, seen
     # Not nested: the others really waited for rank 0's thread, and SharedPath (which refuses nesting) ran.
     assert all(s["start"] >= seen[0]["end"] for s in seen[1:]), seen
@@ -152,11 +154,11 @@ def body_overlapping_blocks() -> dict[str, Any]:
 
 
 @pytest.mark.distributed
-def test_keys_of_a_block_still_in_progress_survive_a_later_block_of_another_thread() -> None:
+def test_keys_of_a_block_still_in_progress_survive_a_later_block_of_another_thread(world: ProcessWorld) -> None:
     # Block 1 (threads) starts and ends while block 0 (main threads) is in progress: entering block 1 does not
     # prove that block 0 is over, so block 0's keys (its exit counter) must not be deleted at block 1's verdict.
     env = {"IGNITE_EXT_HEARTBEAT_TIMEOUT": "0.6"}  # deferred deletions run every 0.1 s
-    seen = values(run_world(body_overlapping_blocks, 4, env=env, deadline=45))
+    seen = world(body_overlapping_blocks, env=env, deadline=45)
     assert seen == [{"thread": "ok", "main": "ok"}] * 4
 
 
@@ -213,8 +215,8 @@ def body_default_store() -> dict[str, Any]:
 
 
 @pytest.mark.distributed
-def test_default_store_is_the_process_groups_store() -> None:
-    assert [s["seen"] for s in values(run_world(body_default_store, 2))] == [[True, True]] * 2
+def test_default_store_is_the_process_groups_store(world: ProcessWorld) -> None:
+    assert [s["seen"] for s in world(body_default_store, nprocs=2)] == [[True, True]] * 2
 
 
 def test_every_store_key_lives_under_one_root_and_is_deleted_by_someone() -> None:

@@ -1,17 +1,18 @@
 """Rank scheduler behaviour over real gloo ranks (store and collective channels) and in serial mode.
 
-Each body runs on every rank and returns what that rank observed (never raises), so one assertion helper can
-check the same body in serial mode, over 4 gloo ranks with the store channel, and with the collective one.
+Each body runs on every rank and returns what that rank observed (``tests.backends._bodies.observe``), so one
+test checks the same body in serial mode, over 4 gloo ranks with the store channel, and with the collective one
+(``world`` parametrised with ``tests._world.CHANNELS``). The bodies shared with the backend matrix live in
+``tests/backends/_bodies.py``; the ones only this module uses are below.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import os
-import signal
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import ignite.distributed as ignite_idist
@@ -19,76 +20,16 @@ import pytest
 import torch
 
 import ignite_ext.distributed as idist
-from tests._world import run_world, values
+from tests._world import CHANNELS, World
+from tests.backends import _bodies
+from tests.backends._bodies import observe
 
 pytestmark = pytest.mark.timeout(240)
 
-CHANNELS = {"store": {}, "collective": {"IGNITE_EXT_SCHEDULER_CHANNEL": "collective"}}
-
-
-def observe(block: Callable[[Any], Any], make_cm: Callable[[], Any]) -> dict[str, Any]:
-    """Enter the scheduler, run ``block(turn)`` inside; report what happened on this rank."""
-    seen: dict[str, Any] = {"rank": idist.get_rank(), "ran": False}
-    try:
-        with make_cm() as turn:
-            seen["first"] = bool(turn)
-            seen["leader"] = turn.leader
-            seen["ran"] = True
-            seen["start"] = time.monotonic()
-            try:
-                block(turn)
-            finally:
-                seen["end"] = time.monotonic()
-        seen["outcome"] = "ok"
-    except idist.RankFailedError as exc:
-        seen.update(outcome="RankFailedError", ranks=list(exc.ranks), message=str(exc))
-        seen["failures"] = [(f.rank, f.exc_type, f.message) for f in exc.failures]
-    except Exception as exc:
-        seen.update(outcome=type(exc).__name__, message=str(exc))
-    seen["left"] = time.monotonic()
-    return seen
-
-
-def launch(body: Callable[..., Any], mode: str, *args: Any, nprocs: int = 4, **kw: Any) -> list[Any]:
-    if mode == "serial":
-        return [body(*args)]
-    env = {**CHANNELS[mode], **kw.pop("env", {})}
-    return values(run_world(body, nprocs, args=args, env=env, **kw))
-
-
-@pytest.fixture(params=["serial", "store", "collective"])
-def mode(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
+channels = pytest.mark.parametrize("world", CHANNELS, indirect=True)
 
 
 # ------------------------------------------------------------------------------------------------- bodies
-
-
-def _sleep_if_first(turn: Any) -> None:
-    if turn:
-        time.sleep(0.3)
-
-
-def body_master_first(rank: int, local: bool) -> dict[str, Any]:
-    return observe(_sleep_if_first, lambda: idist.one_rank_first(rank, local))
-
-
-def body_ordered(local: bool) -> dict[str, Any]:
-    return observe(lambda t: time.sleep(0.1), lambda: idist.rank_scheduler(order=idist.Ordered(local=local)))
-
-
-def _raise_on(rank: int) -> Callable[[Any], None]:
-    def block(turn: Any) -> None:
-        time.sleep(0.1)
-        if idist.get_rank() == rank:
-            raise OSError(f"disk full on rank {rank}")
-
-    return block
-
-
-def body_fail(policy: str, failing: int) -> dict[str, Any]:
-    order = idist.MasterFirst() if policy == "master" else idist.Ordered()
-    return observe(_raise_on(failing), lambda: idist.rank_scheduler(order=order))
 
 
 def body_bad_args(kind: str) -> dict[str, Any]:
@@ -104,13 +45,6 @@ def body_bad_args(kind: str) -> dict[str, Any]:
     return observe(lambda t: None, args[kind])
 
 
-def body_long_block(seconds: float) -> dict[str, Any]:
-    seen = observe(lambda t: time.sleep(seconds) if t else None, idist.one_rank_first)
-    # The process group must still work afterwards: no collective timed out underneath.
-    seen["sum"] = int(idist.all_reduce(torch.tensor(1)).item())
-    return seen
-
-
 def body_logs(seconds: float) -> dict[str, Any]:
     messages: list[str] = []
 
@@ -124,18 +58,6 @@ def body_logs(seconds: float) -> dict[str, Any]:
     seen = observe(lambda t: time.sleep(seconds) if t else None, idist.one_rank_first)
     seen["logs"] = messages
     return seen
-
-
-def body_timeout(wait: float, timeout: float) -> dict[str, Any]:
-    return observe(lambda t: time.sleep(wait) if t else None, lambda: idist.one_rank_first(timeout=timeout))
-
-
-def body_killed(victim: int) -> dict[str, Any]:
-    def block(turn: Any) -> None:
-        if idist.get_rank() == victim:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return observe(block, lambda: idist.one_rank_first(rank=victim))
 
 
 def body_nested() -> dict[str, Any]:
@@ -181,79 +103,95 @@ def test_superset_of_ignite_distributed() -> None:
     assert issubclass(idist.RankFailedError, RuntimeError)
 
 
-def test_master_first_runs_first_rank_before_the_others(mode: str) -> None:
-    seen = launch(body_master_first, mode, 0, False)
+def master_first(world: World, workdir: Path, rank: int, local: bool, **options: Any) -> list[dict[str, Any]]:
+    """Every rank's report of one ``one_rank_first(rank, local)`` turn (``tests.backends._bodies.master_first``)."""
+    return [turns[0] for turns in world(_bodies.master_first, str(workdir), [(rank, local)], **options)]
+
+
+@channels
+def test_master_first_runs_first_rank_before_the_others(world: World, tmp_path: Path) -> None:
+    seen = master_first(world, tmp_path, 0, False)
     assert [s["outcome"] for s in seen] == ["ok"] * len(seen)
     assert [s["first"] for s in seen] == [True] + [False] * (len(seen) - 1)
     for s in seen[1:]:
         assert s["start"] >= seen[0]["end"], "a waiting rank started before the first rank finished"
 
 
-def test_master_first_other_rank_and_local(mode: str) -> None:
-    if mode == "serial":
+@channels
+def test_master_first_other_rank_and_local(world: World, tmp_path: Path) -> None:
+    if world.serial:
         pytest.skip("needs several ranks")
-    seen = launch(body_master_first, mode, 2, False)
+    seen = master_first(world, tmp_path / "rank2", 2, False)
     assert [s["first"] for s in seen] == [False, False, True, False]
     assert all(s["start"] >= seen[2]["end"] for s in seen if s["rank"] != 2)
     # Two simulated nodes of two ranks: local rank 1 of each node goes first, nodes in parallel.
-    seen = launch(body_master_first, mode, 1, True, nproc_per_node=2)
+    seen = master_first(world, tmp_path / "local1", 1, True, nproc_per_node=2)
     assert [s["first"] for s in seen] == [False, True, False, True]
     assert [s["leader"] for s in seen] == [1, 1, 3, 3]
     assert seen[0]["start"] >= seen[1]["end"] and seen[2]["start"] >= seen[3]["end"]
     assert seen[3]["start"] < seen[1]["end"] and seen[1]["start"] < seen[3]["end"], "node leaders overlap"
 
 
-def test_ordered_runs_ranks_one_at_a_time(mode: str) -> None:
-    seen = launch(body_ordered, mode, False)
+@channels
+def test_ordered_runs_ranks_one_at_a_time(world: World, tmp_path: Path) -> None:
+    seen = world(_bodies.ordered, str(tmp_path), False)
     assert [s["outcome"] for s in seen] == ["ok"] * len(seen)
     for prev, nxt in itertools.pairwise(seen):
         assert nxt["start"] >= prev["end"], "ordered blocks overlapped"
 
 
-def test_ordered_local_orders_within_nodes_in_parallel(mode: str) -> None:
-    if mode == "serial":
+@channels
+def test_ordered_local_orders_within_nodes_in_parallel(world: World, tmp_path: Path) -> None:
+    if world.serial:
         pytest.skip("needs several nodes")
-    seen = launch(body_ordered, mode, True, nproc_per_node=2)
+    seen = world(_bodies.ordered, str(tmp_path), True, nproc_per_node=2)
     assert [s["first"] for s in seen] == [True, False, True, False]
     assert seen[1]["start"] >= seen[0]["end"] and seen[3]["start"] >= seen[2]["end"]
     assert seen[2]["start"] < seen[0]["end"], "nodes should run in parallel"
 
 
-def test_first_rank_failure_reaches_every_waiting_rank(mode: str) -> None:
-    seen = launch(body_fail, mode, "master", 0)
+@channels
+def test_first_rank_failure_reaches_every_waiting_rank(world: World) -> None:
+    seen = world(_bodies.fail, "master", 0)
     assert seen[0]["outcome"] == "OSError" and "disk full on rank 0" in seen[0]["message"]
     for s in seen[1:]:
         assert s["outcome"] == "RankFailedError", s
         assert s["ran"] is False, "a waiting rank ran the block after the first rank failed"
         assert s["failures"] == [(0, "OSError", "disk full on rank 0")]
         assert "rank(s) [0]" in s["message"] and "OSError" in s["message"]
+    assert [s["sum"] for s in seen] == [len(seen)] * len(seen), "the world is unusable after the failure"
 
 
-def test_ordered_failure_in_the_middle(mode: str) -> None:
-    if mode == "serial":
+@channels
+def test_ordered_failure_in_the_middle(world: World) -> None:
+    if world.serial:
         pytest.skip("needs several ranks")
-    seen = launch(body_fail, mode, "ordered", 2)
+    seen = world(_bodies.fail, "ordered", 2)
     assert [s["outcome"] for s in seen] == ["RankFailedError", "RankFailedError", "OSError", "RankFailedError"]
     assert [s["ran"] for s in seen] == [True, True, True, False]
     for r in (0, 1, 3):
         assert seen[r]["failures"] == [(2, "OSError", "disk full on rank 2")]
+    assert [s["sum"] for s in seen] == [4] * 4, "the world is unusable after the failure"
 
 
-def test_failure_of_a_later_rank_reaches_the_first(mode: str) -> None:
-    if mode == "serial":
+@channels
+def test_failure_of_a_later_rank_reaches_the_first(world: World) -> None:
+    if world.serial:
         pytest.skip("needs several ranks")
-    seen = launch(body_fail, mode, "master", 3)
+    seen = world(_bodies.fail, "master", 3)
     assert [s["outcome"] for s in seen] == ["RankFailedError"] * 3 + ["OSError"]
     assert all(s["ran"] for s in seen)
     assert seen[0]["failures"] == [(3, "OSError", "disk full on rank 3")]
+    assert [s["sum"] for s in seen] == [4] * 4, "the world is unusable after the failure"
 
 
 @pytest.mark.parametrize("kind", ["out_of_range", "negative", "mismatch", "wrong_type", "not_a_policy", "bad_timeout"])
-def test_bad_input_is_a_value_error_on_every_rank(mode: str, kind: str) -> None:
-    if mode == "serial" and kind in ("mismatch",):
+@channels
+def test_bad_input_is_a_value_error_on_every_rank(world: World, kind: str) -> None:
+    if world.serial and kind in ("mismatch",):
         pytest.skip("a single rank cannot disagree with itself")
-    seen = launch(body_bad_args, mode, kind)
-    if mode == "serial" and kind in ("wrong_type", "not_a_policy", "bad_timeout"):
+    seen = world(body_bad_args, kind)
+    if world.serial and kind in ("wrong_type", "not_a_policy", "bad_timeout"):
         return  # rank 0 passes valid arguments in these cases; only other ranks' inputs are bad
     assert [s["outcome"] for s in seen] == ["ValueError"] * len(seen), seen
     assert not any(s["ran"] for s in seen)
@@ -264,23 +202,23 @@ def test_bad_input_is_a_value_error_on_every_rank(mode: str, kind: str) -> None:
 
 
 @pytest.mark.slow
-def test_first_block_may_outlive_the_process_group_timeout() -> None:
-    seen = values(run_world(body_long_block, 4, args=(15.0,), pg_timeout=5.0, deadline=90))
+def test_first_block_may_outlive_the_process_group_timeout(world: World) -> None:
+    seen = world(_bodies.long_first_rank, 15.0, pg_timeout=5.0, deadline=90)
     assert [s["outcome"] for s in seen] == ["ok"] * 4
     assert [s["sum"] for s in seen] == [4] * 4
     assert all(s["start"] >= seen[0]["end"] for s in seen[1:])
 
 
-def test_waiting_ranks_log_whom_they_wait_for() -> None:
-    seen = values(run_world(body_logs, 4, args=(3.5,), env={"IGNITE_EXT_WAIT_LOG_INTERVAL": "1"}))
+def test_waiting_ranks_log_whom_they_wait_for(world: World) -> None:
+    seen = world(body_logs, 3.5, env={"IGNITE_EXT_WAIT_LOG_INTERVAL": "1"})
     assert seen[0]["logs"] == [], "the first rank waits for nobody"
     for s in seen[1:]:
         waits = [m for m in s["logs"] if "waited" in m and "for rank 0" in m]
         assert 2 <= len(waits) <= 4, s["logs"]  # about one line per interval, never a flood
 
 
-def test_timeout_raises_on_waiting_ranks() -> None:
-    seen = values(run_world(body_timeout, 4, args=(4.0, 1.0)))
+def test_timeout_raises_on_waiting_ranks(world: World) -> None:
+    seen = world(_bodies.long_first_rank, 4.0, 1.0)
     assert [s["outcome"] for s in seen[1:]] == ["TimeoutError"] * 3
     assert all("for rank 0" in s["message"] for s in seen[1:])
     assert not any(s["ran"] for s in seen[1:])
@@ -288,9 +226,9 @@ def test_timeout_raises_on_waiting_ranks() -> None:
 
 
 @pytest.mark.parametrize("victim", [1, 0])
-def test_sigkilled_first_rank_is_an_error_not_a_hang(victim: int) -> None:
+def test_sigkilled_first_rank_is_an_error_not_a_hang(world: World, victim: int) -> None:
     start = time.monotonic()
-    results = run_world(body_killed, 4, args=(victim,), env={"IGNITE_EXT_HEARTBEAT_TIMEOUT": "5"}, deadline=90)
+    results = world.results(_bodies.killed, victim, env={"IGNITE_EXT_HEARTBEAT_TIMEOUT": "5"}, deadline=90)
     assert results[victim].killed
     for r in results:
         if r.rank == victim:
@@ -306,28 +244,30 @@ def test_sigkilled_first_rank_is_an_error_not_a_hang(victim: int) -> None:
         assert all("rendezvous store" in r.value["message"] for r in results if r.rank != victim)
 
 
-def test_nested_use_does_not_deadlock(mode: str) -> None:
-    seen = launch(body_nested, mode)
+@channels
+def test_nested_use_does_not_deadlock(world: World) -> None:
+    seen = world(body_nested)
     assert [s["outcome"] for s in seen] == ["ok"] * len(seen)
     assert [s["after"] for s in seen] == ["ok"] * len(seen)
     assert seen[0]["inner"] == [True, True]
     assert all(s["inner"] == [False, False] for s in seen[1:])
 
 
-def test_repeated_use_keeps_ranks_in_step(mode: str) -> None:
-    seen = launch(body_repeated, mode, 20)
+@channels
+def test_repeated_use_keeps_ranks_in_step(world: World) -> None:
+    seen = world(body_repeated, 20)
     assert seen == [["ok"] * 20] * len(seen)
 
 
-def test_finalize_right_after_the_block_loses_no_outcome() -> None:
+def test_finalize_right_after_the_block_loses_no_outcome(world: World) -> None:
     for _ in range(3):
-        assert values(run_world(body_finalize_right_after, 4)) == ["ok"] * 4
+        assert world(body_finalize_right_after) == ["ok"] * 4
 
 
-def test_many_back_to_back_blocks_with_frequent_key_cleanup() -> None:
+def test_many_back_to_back_blocks_with_frequent_key_cleanup(world: World) -> None:
     # Old keys are deleted in the background (on each heartbeat, every 0.2 s here): no rank may lose a key of
     # a block it is still in, however far the other ranks have moved on.
-    seen = values(run_world(body_repeated, 4, args=(400,), env={"IGNITE_EXT_HEARTBEAT_TIMEOUT": "1.2"}, deadline=150))
+    seen = world(body_repeated, 400, env={"IGNITE_EXT_HEARTBEAT_TIMEOUT": "1.2"}, deadline=150)
     assert seen == [["ok"] * 400] * 4
 
 
@@ -349,9 +289,9 @@ def body_failing_blocks_store_keys() -> list[int]:
     return counts
 
 
-def test_keys_of_finished_blocks_do_not_accumulate_in_the_store() -> None:
+def test_keys_of_finished_blocks_do_not_accumulate_in_the_store(world: World) -> None:
     # Ranks 1..3 still run deferred deletions while rank 0 counts, so compare after a pause, on every rank.
-    counts = values(run_world(body_failing_blocks_store_keys, 4, env={"IGNITE_EXT_HEARTBEAT_TIMEOUT": "1.2"}))
+    counts = world(body_failing_blocks_store_keys, env={"IGNITE_EXT_HEARTBEAT_TIMEOUT": "1.2"})
     for after_10, after_40 in counts:
         assert after_40 <= after_10 + 2, counts  # 15 more failed blocks must leave no keys behind
 
@@ -365,6 +305,7 @@ class _SchedulingDataset(torch.utils.data.Dataset[int]):
             return index
 
 
+@pytest.mark.distributed  # starts a DataLoader worker process
 def test_dataloader_worker_gets_a_clear_error() -> None:
     loader = torch.utils.data.DataLoader(_SchedulingDataset(), num_workers=1)
     with pytest.raises(RuntimeError, match="DataLoader worker"):

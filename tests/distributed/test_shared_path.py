@@ -16,8 +16,8 @@ import pytest
 
 import ignite_ext.distributed as idist
 from ignite_ext.distributed.shared_path import MARKER_PREFIX
-from tests._world import free_port, run_world, values
-from tests.distributed.test_schedule import observe
+from tests._world import World, free_port
+from tests.backends._bodies import observe
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
@@ -52,9 +52,9 @@ def markers(*dirs: Path) -> list[str]:
     return [p.name for d in dirs if d.exists() for p in d.iterdir() if p.name.startswith(MARKER_PREFIX)]
 
 
-def test_two_directories_make_two_groups(tmp_path: Path) -> None:
+def test_two_directories_make_two_groups(world: World, tmp_path: Path) -> None:
     a, b = tmp_path / "a", tmp_path / "b"  # created by SharedPath
-    seen = values(run_world(body_shared, 4, args=([str(a), str(a), str(b), str(b)],)))
+    seen = world(body_shared, [str(a), str(a), str(b), str(b)])
     assert [s["outcome"] for s in seen] == ["ok"] * 4
     assert [s["first"] for s in seen] == [True, False, True, False]
     assert [s["leader"] for s in seen] == [0, 0, 2, 2]
@@ -64,12 +64,12 @@ def test_two_directories_make_two_groups(tmp_path: Path) -> None:
     assert markers(a, b) == []
 
 
-def test_symlink_is_the_same_directory(tmp_path: Path) -> None:
+def test_symlink_is_the_same_directory(world: World, tmp_path: Path) -> None:
     real = tmp_path / "real"
     real.mkdir()
     link = tmp_path / "link"
     link.symlink_to(real)
-    seen = values(run_world(body_shared, 4, args=([str(real), str(link), str(link), str(real)],)))
+    seen = world(body_shared, [str(real), str(link), str(link), str(real)])
     assert [s["first"] for s in seen] == [True, False, False, False]
     assert all(s["start"] >= seen[0]["end"] for s in seen[1:])
     assert markers(real) == []
@@ -81,9 +81,9 @@ def test_serial_groups_alone(tmp_path: Path) -> None:
     assert (tmp_path / "new" / "dir").is_dir()
 
 
-def test_leader_failure_reaches_its_group(tmp_path: Path) -> None:
+def test_leader_failure_reaches_its_group(world: World, tmp_path: Path) -> None:
     a, b = tmp_path / "a", tmp_path / "b"
-    seen = values(run_world(body_shared, 4, args=([str(a), str(a), str(b), str(b)], 2)))
+    seen = world(body_shared, [str(a), str(a), str(b), str(b)], 2)
     assert seen[2]["outcome"] == "OSError"
     assert seen[3]["outcome"] == "RankFailedError" and not seen[3]["ran"]
     assert seen[3]["failures"] == [(2, "OSError", "download failed on rank 2")]
@@ -94,33 +94,33 @@ def test_leader_failure_reaches_its_group(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("bad", ["file", "unusable"])
-def test_unusable_path_on_one_rank_is_an_error_everywhere(tmp_path: Path, bad: str) -> None:
+def test_unusable_path_on_one_rank_is_an_error_everywhere(world: World, tmp_path: Path, bad: str) -> None:
     good = tmp_path / "good"
     if bad == "file":
         target = tmp_path / "not_a_dir"
         target.write_text("x")
     else:
         target = Path("/proc/self/ignite_ext_cannot_create_here")
-    seen = values(run_world(body_shared, 4, args=([str(good), str(good), str(target), str(good)],)))
+    seen = world(body_shared, [str(good), str(good), str(target), str(good)])
     assert [s["outcome"] for s in seen] == ["ValueError"] * 4
     assert all("rank(s) [2]" in s["message"] for s in seen), seen[0]["message"]
     assert not any(s["ran"] for s in seen)
     assert markers(good) == []
 
 
-def test_mismatched_policy_types_are_a_value_error(tmp_path: Path) -> None:
-    seen = values(run_world(body_mismatched_policy, 4, args=(str(tmp_path),)))
+def test_mismatched_policy_types_are_a_value_error(world: World, tmp_path: Path) -> None:
+    seen = world(body_mismatched_policy, str(tmp_path))
     assert [s["outcome"] for s in seen] == ["ValueError"] * 4
     assert "different rank_scheduler arguments" in seen[0]["message"]
 
 
-def test_census_ignores_stale_directory_listings(tmp_path: Path) -> None:
+def test_census_ignores_stale_directory_listings(world: World, tmp_path: Path) -> None:
     # Markers are looked up by exact, fresh names, so a directory full of other entries (or a stale listing)
     # cannot confuse the census: repeated use keeps giving the same single group.
     for i in range(50):
         (tmp_path / f"{MARKER_PREFIX}stale-{i}").write_text("")
     for _ in range(2):
-        assert values(run_world(body_group, 4, args=(str(tmp_path),))) == [[0, 1, 2, 3]] * 4
+        assert world(body_group, str(tmp_path)) == [[0, 1, 2, 3]] * 4
 
 
 # ----------------------------------------------------------------------------------- two nodes via torchrun
