@@ -8,7 +8,9 @@ An optional throttle paces all bodies together, like one shared link.
 
 from __future__ import annotations
 
+import dataclasses
 import email.utils
+import gzip
 import hashlib
 import re
 import threading
@@ -37,6 +39,17 @@ class Fault:
     wrong_bytes: bool = False
     ignore_range: bool = False
     times: int | None = None
+    # Lies told to range requests (206 answers): another ETag, another total, "*" as the total, wrong bytes, or a
+    # status instead (416: "you have it all").
+    range_etag: str | None = None
+    range_total: int | None = None
+    star_total: bool = False
+    range_wrong_bytes: bool = False
+    range_status: int | None = None
+    # Other misbehaviour: a Content-Encoding (the body is gzip-compressed for "gzip"), a redirect, a slow body.
+    encoding: str | None = None
+    redirect: str | None = None
+    trickle_bps: float | None = None
 
 
 @dataclass
@@ -166,8 +179,21 @@ class _Handler(BaseHTTPRequestHandler):
             state.log.append(request)
             file = state.files.get(path)
             fault = self._take_fault(path)
-        if file is None:
+        if fault.redirect is not None:
+            request.status = 302
+            self.send_response(302)
+            self.send_header("Location", fault.redirect)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+        elif file is None:
             self._status(request, 404)
+        elif fault.range_status is not None and request.range is not None:
+            request.status = fault.range_status
+            self.send_response(fault.range_status)
+            start = re.fullmatch(r"bytes=(\d+)-", request.range)
+            self.send_header("Content-Range", f"bytes */{start.group(1) if start else 0}")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
         elif fault.status is not None:
             self._status(request, fault.status, fault.retry_after)
         else:
@@ -214,17 +240,26 @@ class _Handler(BaseHTTPRequestHandler):
             return
         data = file.data
         request.status = 206 if start else 200
+        body = data[start:]
+        if fault.encoding == "gzip":
+            body = gzip.compress(body)
         self.send_response(request.status)
-        self.send_header("Content-Length", str(len(data) - start))
+        self.send_header("Content-Length", str(len(body)))
         self.send_header("Accept-Ranges", "bytes")
-        if file.etag:
-            self.send_header("ETag", file.etag)
+        etag = fault.range_etag if start and fault.range_etag is not None else file.etag
+        if etag:
+            self.send_header("ETag", etag)
         if file.last_modified:
             self.send_header("Last-Modified", file.last_modified)
+        if fault.encoding is not None:
+            self.send_header("Content-Encoding", fault.encoding)
         if start:
-            self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+            total = "*" if fault.star_total else str(fault.range_total or len(data))
+            self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{total}")
         self.end_headers()
-        view = memoryview(data)[start:]
+        if start and fault.range_wrong_bytes:
+            fault = dataclasses.replace(fault, wrong_bytes=True)
+        view = memoryview(body)
         try:
             self._send(request, view, fault)
         except (BrokenPipeError, ConnectionResetError):
@@ -251,7 +286,12 @@ class _Handler(BaseHTTPRequestHandler):
             if fault.wrong_bytes:
                 chunk = chunk.translate(_FLIP)
             self._pace(n)
+            if fault.trickle_bps:
+                n = min(n, 1024)
+                chunk = chunk[:n]
+                time.sleep(n / fault.trickle_bps)
             self.wfile.write(chunk)
+            self.wfile.flush()
             with self.state.lock:
                 request.sent += n
             view = view[n:]

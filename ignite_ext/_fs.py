@@ -13,12 +13,14 @@ another host (whose pids cannot be checked), a file left untouched for a given a
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
 import re
 import secrets
 import socket
+import stat
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -34,10 +36,12 @@ __all__ = [
     "idle",
     "listdir",
     "orphans",
+    "own_regular_file",
     "owner_gone",
     "owner_tag",
     "pid_alive",
     "read_json",
+    "sidecar_stem",
     "unlink",
     "write_json",
 ]
@@ -104,6 +108,58 @@ def owner_tag() -> str:
     .. versionadded:: 0.2.0
     """
     return f"{host()}.{os.getpid()}.{secrets.token_hex(4)}"
+
+
+#: Names longer than this (in UTF-8 bytes) are shortened in the names of the files kept beside them.
+SIDECAR_NAME_MAX = 120
+
+
+def sidecar_stem(name: str) -> str:
+    """``name`` as it appears in the names of the files kept beside it (locks, records, temp files).
+
+    Those names add up to ~70 bytes to it, so a long name is cut and made unique with a hash: every sidecar name
+    stays under the 255 bytes filesystems allow.
+
+    Examples:
+        >>> from ignite_ext._fs import sidecar_stem
+        >>> sidecar_stem("data.tar.gz")
+        'data.tar.gz'
+        >>> stem = sidecar_stem("x" * 240 + ".bin")
+        >>> len(stem.encode()), stem.startswith("x" * 60), stem == sidecar_stem("x" * 240 + ".bin")
+        (77, True, True)
+
+    .. versionadded:: 0.2.0
+    """
+    raw = name.encode("utf-8", "surrogateescape")
+    if len(raw) <= SIDECAR_NAME_MAX:
+        return name
+    head = raw[:60].decode("utf-8", "ignore")
+    return f"{head}~{hashlib.sha256(raw).hexdigest()[:16]}"
+
+
+def own_regular_file(path: Path) -> bool:
+    """Whether ``path`` itself (not what a link points to) is a regular file owned by this process's user.
+
+    What another user of a shared folder plants (a symlink, a fifo, a file of theirs) is never taken over.
+
+    Examples:
+        >>> import os, tempfile
+        >>> from pathlib import Path
+        >>> from ignite_ext._fs import own_regular_file
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     mine = Path(tmp, "mine")
+        ...     _ = mine.write_text("x")
+        ...     os.symlink(mine, Path(tmp, "link"))
+        ...     own_regular_file(mine), own_regular_file(Path(tmp, "link")), own_regular_file(Path(tmp, "none"))
+        (True, False, False)
+
+    .. versionadded:: 0.2.0
+    """
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and (not hasattr(os, "geteuid") or st.st_uid == os.geteuid())
 
 
 def idle(path: Path, max_age_s: float) -> bool:

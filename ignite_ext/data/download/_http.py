@@ -31,9 +31,11 @@ __all__ = [
     "RETRY_AFTER_MAX_S",
     "SCHEMES",
     "FatalHTTPError",
+    "RangeMismatch",
     "Response",
     "RetryableError",
     "Validator",
+    "as_uri",
     "backoff_delay",
     "check_scheme",
     "open_range",
@@ -73,6 +75,21 @@ class RetryableError(IgniteExtError):
         self.retry_after = retry_after
 
 
+class RangeMismatch(RetryableError):
+    """The answer to a range request cannot be trusted to continue the bytes held: start over without ``Range``.
+
+    A 206 for another range, another version (``ETag``) or another total size than the bytes held, a 416, or a
+    body cut short of the range it announced: appending it could splice two versions of the file.
+
+    Examples:
+        >>> from ignite_ext.data.download._http import RangeMismatch, RetryableError
+        >>> issubclass(RangeMismatch, RetryableError)
+        True
+
+    .. versionadded:: 0.2.0
+    """
+
+
 class FatalHTTPError(IgniteExtError):
     """A failure that retrying the same URL cannot fix (404 and the other 4xx but 429).
 
@@ -107,8 +124,12 @@ class Validator:
         >>> headers = Message()
         >>> headers["ETag"] = 'W/"weak"'
         >>> headers["Last-Modified"] = "Mon, 30 Nov 2026 08:00:00 GMT"
+        >>> headers["Date"] = "Mon, 30 Nov 2026 09:00:00 GMT"
         >>> Validator.from_headers(headers).if_range  # a weak ETag cannot validate a range
         'Mon, 30 Nov 2026 08:00:00 GMT'
+        >>> headers.replace_header("Date", "Mon, 30 Nov 2026 08:00:00 GMT")
+        >>> Validator.from_headers(headers).if_range is None  # modified in the second it was sent: weak too
+        True
 
     .. versionadded:: 0.1.0
     """
@@ -118,11 +139,18 @@ class Validator:
 
     @classmethod
     def from_headers(cls, headers: Message) -> Validator:
-        """Read the validator of a response."""
+        """Read the validator of a response: a strong ``ETag``, and a ``Last-Modified`` only when it is strong.
+
+        ``Last-Modified`` is weak (RFC 9110 §13.1.5) unless it is at least one second before the response's
+        ``Date``: a file changed twice within that second would carry one date for two versions.
+        """
         etag = headers.get("ETag")
         if etag is not None and etag.startswith("W/"):
             etag = None
-        return cls(etag=etag, last_modified=headers.get("Last-Modified"))
+        modified = headers.get("Last-Modified")
+        if modified is not None and not _strong_date(modified, headers.get("Date")):
+            modified = None
+        return cls(etag=etag, last_modified=modified)
 
     @property
     def if_range(self) -> str | None:
@@ -140,6 +168,7 @@ class Response:
         total: the full size of the file, or None when the server did not say.
         validator: the version of the file this body belongs to.
         complete: True when the server says the bytes already held are the whole file (nothing to read).
+        end: where the body must end in the file (a 206's announced range, or a full body's length), if known.
 
     Examples:
         >>> import io
@@ -155,6 +184,7 @@ class Response:
     total: int | None
     validator: Validator
     complete: bool = False
+    end: int | None = None
 
 
 def check_scheme(url: str) -> None:
@@ -206,7 +236,9 @@ def backoff_delay(attempt: int, retry_after: float | None = None) -> float:
     return base * 2.0**attempt + random.uniform(0, base)
 
 
-def open_range(url: str, offset: int, validator: Validator | None, timeout: float) -> Response:
+def open_range(
+    url: str, offset: int, validator: Validator | None, timeout: float, total: int | None = None
+) -> Response:
     """Request ``url`` from byte ``offset`` on, valid only if the file is still ``validator``'s version.
 
     With ``offset == 0`` or no usable validator this is a plain GET. Otherwise it sends ``Range`` with
@@ -218,13 +250,16 @@ def open_range(url: str, offset: int, validator: Validator | None, timeout: floa
         offset: how many bytes of the file are already held.
         validator: the version those bytes belong to.
         timeout: seconds to wait for the connection and for each read.
+        total: the file's size as an earlier response gave it, if known: a 206 claiming another is refused.
 
     Returns:
         The open response; :attr:`Response.offset` says where its body starts.
 
     Raises:
+        RangeMismatch: a resumed range that cannot continue the bytes held (see :class:`RangeMismatch`).
         RetryableError: connection errors, timeouts, 5xx and 429.
-        FatalHTTPError: the other 4xx.
+        FatalHTTPError: the other 4xx, a redirect to a scheme other than ``http``/``https``, or a body in a
+            ``Content-Encoding`` other than ``identity`` (its bytes are not the file's).
 
     Examples:
         >>> import tempfile
@@ -246,30 +281,62 @@ def open_range(url: str, offset: int, validator: Validator | None, timeout: floa
         assert validator is not None and validator.if_range is not None
         headers["Range"] = f"bytes={offset}-"
         headers["If-Range"] = validator.if_range
-    request = urllib.request.Request(url, headers=headers)
+    request = urllib.request.Request(as_uri(url), headers=headers)
     try:
-        raw = urllib.request.urlopen(request, timeout=timeout)
+        raw = _OPENER.open(request, timeout=timeout)
     except urllib.error.HTTPError as exc:
         return _from_http_error(url, exc, offset if resume else 0)
     except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
         raise RetryableError(f"{url}: {_reason(exc)}") from exc
-    return _from_success(url, raw, offset if resume else 0)
+    return _from_success(url, raw, offset if resume else 0, validator if resume else None, total)
 
 
-def _from_success(url: str, raw: IO[bytes], requested: int) -> Response:
+def _from_success(
+    url: str, raw: IO[bytes], requested: int, sent: Validator | None, known_total: int | None
+) -> Response:
     status = getattr(raw, "status", None) or 200  # file:// responses carry no status
     headers: Message = raw.headers  # type: ignore[attr-defined]
     validator = Validator.from_headers(headers)
+    encoding = (headers.get("Content-Encoding") or "identity").strip().lower()
+    if encoding != "identity":
+        raw.close()
+        if status == 206:
+            raise RangeMismatch(f"{url}: a resumed range came with Content-Encoding {encoding!r}; starting over")
+        raise FatalHTTPError(f"{url}: the server sent Content-Encoding {encoding!r} although identity was asked for", 0)
     if status == 206:
         match = _CONTENT_RANGE.fullmatch(headers.get("Content-Range", "").strip())
-        if match is None or int(match.group(1)) != requested:
+        total = None if match is None or match.group(3) == "*" else int(match.group(3))
+        problem = _range_problem(match, requested, sent, validator, total, known_total)
+        if problem:
             raw.close()
-            # The server sent some other range than asked for: start over rather than guess.
-            raise RetryableError(f"{url}: unexpected Content-Range {headers.get('Content-Range')!r}")
-        total = None if match.group(3) == "*" else int(match.group(3))
-        return Response(raw, requested, total, validator)
+            raise RangeMismatch(f"{url}: {problem}; starting over without Range")
+        assert match is not None
+        return Response(raw, requested, total, validator, end=int(match.group(2)) + 1)
     length = headers.get("Content-Length")
-    return Response(raw, 0, int(length) if length and length.isdigit() else None, validator)
+    size = int(length) if length and length.isdigit() else None
+    return Response(raw, 0, size, validator, end=size)
+
+
+def _range_problem(
+    match: re.Match[str] | None,
+    requested: int,
+    sent: Validator | None,
+    got: Validator,
+    total: int | None,
+    known_total: int | None,
+) -> str:
+    """Why a 206 cannot continue the bytes held, or "" when it can."""
+    if match is None or int(match.group(1)) != requested or int(match.group(2)) < requested:
+        return f"a 206 for another range than bytes={requested}-: {match.group(0) if match else None!r}"
+    if sent is not None and sent.etag is not None and got.etag != sent.etag:
+        return f"a 206 of version {got.etag} for bytes of version {sent.etag}"
+    if sent is not None and sent.etag is None and got.last_modified not in (None, sent.last_modified):
+        return f"a 206 of the version of {got.last_modified} for bytes of {sent.last_modified}"
+    if total is not None and known_total is not None and total != known_total:
+        return f"a 206 for a file of {total} bytes, but the bytes held are of one of {known_total}"
+    if total is not None and int(match.group(2)) >= total:
+        return f"a 206 for bytes past the end of a file of {total} bytes"
+    return ""
 
 
 def _from_http_error(url: str, exc: urllib.error.HTTPError, requested: int) -> Response:
@@ -279,12 +346,74 @@ def _from_http_error(url: str, exc: urllib.error.HTTPError, requested: int) -> R
         match = _UNSATISFIED_RANGE.fullmatch((headers.get("Content-Range") or "").strip())
         exc.close()
         if match is not None and int(match.group(1)) == requested:
+            # The server says the bytes held are the whole file; only a checksum can confirm it (the caller's).
             return Response(exc, requested, requested, Validator.from_headers(headers), complete=True)
-        raise RetryableError(f"{url}: HTTP 416 for a resumed range; starting over")
+        raise RangeMismatch(f"{url}: HTTP 416 for a resumed range; starting over without Range")
     exc.close()
     if status == 429 or status >= 500:
         raise RetryableError(f"{url}: HTTP {status} {exc.reason}", _retry_after(headers))
     raise FatalHTTPError(f"{url}: HTTP {status} {exc.reason}", status)
+
+
+class _SafeRedirects(urllib.request.HTTPRedirectHandler):
+    """Follows redirects only to ``http`` and ``https`` (urllib would follow one to ``ftp``)."""
+
+    def redirect_request(
+        self,
+        req: urllib.request.Request,
+        fp: IO[bytes],
+        code: int,
+        msg: str,
+        headers: http.client.HTTPMessage,
+        newurl: str,
+    ) -> urllib.request.Request | None:
+        scheme = urllib.parse.urlsplit(newurl).scheme.lower()
+        if scheme and scheme not in ("http", "https"):
+            raise FatalHTTPError(f"{req.full_url}: redirected to {newurl!r}, a scheme that is not http or https", code)
+        return super().redirect_request(req, fp, code, msg, headers, as_uri(newurl))
+
+
+_OPENER = urllib.request.build_opener(_SafeRedirects)
+
+
+def as_uri(url: str) -> str:
+    """``url`` with a non-ASCII host in IDNA and non-ASCII path, query and fragment percent-encoded (UTF-8).
+
+    Examples:
+        >>> from ignite_ext.data.download._http import as_uri
+        >>> as_uri("https://exämple.org/données/ä b.bin?q=é")
+        'https://xn--exmple-cua.org/donn%C3%A9es/%C3%A4%20b.bin?q=%C3%A9'
+        >>> as_uri("https://example.org/a%20b.bin")  # already encoded: unchanged
+        'https://example.org/a%20b.bin'
+
+    .. versionadded:: 0.2.0
+    """
+    parts = urllib.parse.urlsplit(url)
+    netloc = parts.netloc
+    if parts.hostname and not parts.hostname.isascii():
+        netloc = netloc.replace(parts.hostname, parts.hostname.encode("idna").decode("ascii"))
+    safe = "/:@!$&'()*+,;=%~-._"
+    return urllib.parse.urlunsplit(
+        (
+            parts.scheme,
+            netloc,
+            urllib.parse.quote(parts.path, safe=safe),
+            urllib.parse.quote(parts.query, safe=safe + "?"),
+            urllib.parse.quote(parts.fragment, safe=safe + "?"),
+        )
+    )
+
+
+def _strong_date(modified: str, date: str | None) -> bool:
+    """Whether ``Last-Modified`` is at least a second before ``Date`` (when there is no Date, trust it)."""
+    if date is None:
+        return True
+    try:
+        return (
+            email.utils.parsedate_to_datetime(date) - email.utils.parsedate_to_datetime(modified)
+        ).total_seconds() >= 1
+    except (TypeError, ValueError):
+        return False
 
 
 def _retry_after(headers: Message | None) -> float | None:

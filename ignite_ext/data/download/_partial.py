@@ -13,14 +13,27 @@ hosts (or parked files of other URLs) untouched for :data:`ORPHAN_MAX_AGE_S`.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import logging
 import os
 import re
+import stat
 from collections.abc import Sequence
 from pathlib import Path
 
-from ignite_ext._fs import OWNER, idle, listdir, orphans, owner_tag, read_json, unlink, write_json
+from ignite_ext._fs import (
+    OWNER,
+    idle,
+    listdir,
+    orphans,
+    own_regular_file,
+    owner_tag,
+    read_json,
+    sidecar_stem,
+    unlink,
+    write_json,
+)
 from ignite_ext.data.download._http import Validator
 from ignite_ext.data.download._verify import CHUNK, hashers
 
@@ -30,11 +43,12 @@ logger = logging.getLogger("ignite_ext.data.download")
 
 #: Temp files of writers on other hosts (whose pids cannot be checked) are orphans after this many idle seconds.
 ORPHAN_MAX_AGE_S = 24 * 3600.0
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 def parked_path(target: Path, first_url: str) -> Path:
     key = hashlib.sha256(first_url.encode()).hexdigest()[:16]
-    return target.with_name(f".{target.name}.{key}.part")
+    return target.with_name(f".{sidecar_stem(target.name)}.{key}.part")
 
 
 def meta_path(partial: Path) -> Path:
@@ -50,9 +64,16 @@ class Partial:
         self.algorithms = algorithms | {"sha256"}
         self.url: str | None = None
         self.validator: Validator | None = None
+        #: The file's size as the response these bytes came from gave it, if it did.
+        self.total: int | None = None
         # True when the bytes came from more than one response: a digest mismatch may then be the splice's fault.
         self.resumed = False
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_BINARY", 0), 0o666)
+        #: Set when the server's range replies cannot be trusted: fetch whole bodies only, park nothing.
+        self.no_resume = False
+        #: Set when the bytes must not be kept for a later call (e.g. the disk filled up while writing them).
+        self.discard = False
+        # Never through a link: the path is private, but a shared folder's other users could have put one there.
+        self.fd = os.open(path, os.O_RDWR | _NOFOLLOW | getattr(os, "O_BINARY", 0))
         self._hashers = hashers(self.algorithms)
         # Bytes taken over from an earlier writer count towards the digests like any other.
         while chunk := os.read(self.fd, CHUNK):
@@ -84,18 +105,28 @@ class Partial:
     def digests(self) -> dict[str, str]:
         return {name: hasher.hexdigest() for name, hasher in self._hashers.items()}
 
-    def note_source(self, url: str, validator: Validator) -> None:
+    def note_source(self, url: str, validator: Validator, total: int | None) -> None:
         """Record, next to the bytes, which URL and version they belong to (what a later resume needs)."""
-        self.url, self.validator = url, validator
-        record = {"url": url, "etag": validator.etag, "last_modified": validator.last_modified}
+        self.url, self.validator, self.total = url, validator, total
+        record = {"url": url, "etag": validator.etag, "last_modified": validator.last_modified, "total": total}
         with contextlib.suppress(OSError):
             write_json(self.meta, {**record, "inode": os.fstat(self.fd).st_ino})
 
     def sync_and_close(self) -> os.stat_result:
-        """Flush the bytes to stable storage and close; the stat identifies the file once published."""
+        """Flush the bytes to stable storage and close; the stat identifies the file once published.
+
+        Raises:
+            OSError: the private path no longer names these bytes (another user replaced it): nothing to publish.
+        """
         os.fsync(self.fd)
         st = os.fstat(self.fd)
         self.close()
+        try:
+            here = os.lstat(self.path)
+        except FileNotFoundError:
+            here = None
+        if here is None or (here.st_dev, here.st_ino) != (st.st_dev, st.st_ino) or not stat.S_ISREG(here.st_mode):
+            raise OSError(errno.EEXIST, "the private temp file was replaced by another process", str(self.path))
         return st
 
     def close(self) -> None:
@@ -110,13 +141,14 @@ def claim(target: Path, urls: Sequence[str], algorithms: set[str]) -> Partial:
     Also deletes what gone writers left that cannot be resumed here.
     """
     parked = parked_path(target, urls[0])
-    temps = re.compile(rf"\.{re.escape(target.name)}\.{OWNER}\.tmp")
-    others = re.compile(rf"\.{re.escape(target.name)}\.(?P<key>[0-9a-f]{{16}})\.part")
+    stem = re.escape(sidecar_stem(target.name))
+    temps = re.compile(rf"\.{stem}\.{OWNER}\.tmp")
+    others = re.compile(rf"\.{stem}\.(?P<key>[0-9a-f]{{16}})\.part")
     candidates = [path for path, _ in orphans(target.parent, temps, ORPHAN_MAX_AGE_S)]
     if parked.exists():
         candidates.append(parked)
     candidates.sort(key=_size, reverse=True)
-    mine = target.with_name(f".{target.name}.{owner_tag()}.tmp")
+    mine = target.with_name(f".{sidecar_stem(target.name)}.{owner_tag()}.tmp")
     partial = None
     for candidate in candidates:
         if partial is None:
@@ -136,7 +168,7 @@ def _remove_stray_records(target: Path, temps: re.Pattern[str]) -> None:
     for path, _ in orphans(target.parent, records, ORPHAN_MAX_AGE_S):
         if not path.with_suffix("").exists():
             unlink(path)
-    writes = re.compile(rf"\.{re.escape(target.name)}\.[^/]*\.json\.{OWNER}\.tmp")
+    writes = re.compile(rf"\.{re.escape(sidecar_stem(target.name))}\.[^/]*\.json\.{OWNER}\.tmp")
     for path, _ in orphans(target.parent, writes, ORPHAN_MAX_AGE_S):
         unlink(path)
 
@@ -155,6 +187,10 @@ def _create(path: Path) -> Path:
 
 
 def _adopt(candidate: Path, mine: Path, urls: Sequence[str], algorithms: set[str], label: str) -> Partial | None:
+    # Only this user's own regular files are taken over: in a group-writable folder another user can plant a
+    # symlink (to a file of ours) under a predictable name, with a record that points us at it.
+    if not (own_regular_file(candidate) and own_regular_file(meta_path(candidate))):
+        return None
     record = read_json(meta_path(candidate))
     if record is None or record.get("url") not in urls:
         return None
@@ -164,23 +200,34 @@ def _adopt(candidate: Path, mine: Path, urls: Sequence[str], algorithms: set[str
     try:
         # The rename is the claim: it succeeds for one caller only, lock or no lock.
         os.rename(candidate, mine)
-        os.utime(mine)  # fresh mtime: other hosts must not take it for an idle orphan
     except FileNotFoundError:
         return None
-    partial = Partial(mine, algorithms, label)
-    if os.fstat(partial.fd).st_ino != record.get("inode"):
+    try:
+        partial = Partial(mine, algorithms, label)  # O_NOFOLLOW: a link swapped in after the check is refused
+    except OSError:
+        unlink(mine)
+        return None
+    st = os.fstat(partial.fd)
+    if not stat.S_ISREG(st.st_mode) or (hasattr(os, "geteuid") and st.st_uid != os.geteuid()):
+        partial.close()
+        unlink(mine)
+        return None
+    os.utime(partial.fd if os.utime in os.supports_fd else mine)  # fresh mtime: not an idle orphan for other hosts
+    if st.st_ino != record.get("inode"):
         # The record belongs to other bytes (a concurrent park replaced one of the two files): start over.
         partial.restart()
         return partial
     logger.info("resuming %s from byte %d", candidate.name, partial.size)
     partial.resumed = partial.size > 0
-    partial.note_source(record["url"], validator)
+    total = record.get("total")
+    partial.note_source(record["url"], validator, total if isinstance(total, int) else None)
     return partial
 
 
 def park(partial: Partial, target: Path, first_url: str) -> None:
     """Leave resumable bytes under the target's parked name; drop bytes that could not be resumed."""
-    if partial.size > 0 and partial.url is not None and partial.validator and partial.validator.if_range:
+    resumable = partial.validator is not None and partial.validator.if_range is not None
+    if partial.size > 0 and partial.url is not None and resumable and not (partial.discard or partial.no_resume):
         parked = parked_path(target, first_url)
         with contextlib.suppress(OSError):
             os.replace(partial.path, parked)

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ignite_ext._fs import read_json, write_json
+from ignite_ext._fs import read_json, sidecar_stem, write_json
 
 __all__ = [
     "CHUNK",
@@ -50,7 +50,7 @@ def expected_digests(**given: str | None) -> dict[str, str]:
 
 
 def verified_path(target: Path) -> Path:
-    return target.with_name(f".{target.name}.verified.json")
+    return target.with_name(f".{sidecar_stem(target.name)}.verified.json")
 
 
 def hashers(algorithms: Iterable[str]) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ignite_ext._fs import OWNER, exclusive, fsync_dir, orphans, owner_tag, read_json
+from ignite_ext._fs import OWNER, exclusive, fsync_dir, orphans, owner_tag, read_json, sidecar_stem
 from ignite_ext.data.download._members import UNREADABLE, check_links, extract_tar, extract_zip
 from ignite_ext.data.download._partial import ORPHAN_MAX_AGE_S
 from ignite_ext.errors import ArchiveError
@@ -111,7 +111,9 @@ def extract_archive(
     if _state(dest, identity) == "complete":
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
-    with exclusive(dest.with_name(f".{dest.name}.extract.lock"), f"another process's extraction into {dest}", logger):
+    with exclusive(
+        dest.with_name(f".{sidecar_stem(dest.name)}.extract.lock"), f"another process's extraction into {dest}", logger
+    ):
         if _state(dest, identity) != "complete":
             _remove_orphans(dest)
             _extract_atomically(source, kind, dest, identity, max_total_bytes)
@@ -145,7 +147,7 @@ def _state(dest: Path, identity: Mapping[str, Any]) -> str:
 
 
 def _remove_orphans(dest: Path) -> None:
-    pattern = re.compile(rf"\.{re.escape(dest.name)}\.{OWNER}\.(?:extracting|old)")
+    pattern = re.compile(rf"\.{re.escape(sidecar_stem(dest.name))}\.{OWNER}\.(?:extracting|old)")
     for path, _ in orphans(dest.parent, pattern, ORPHAN_MAX_AGE_S):
         shutil.rmtree(path, ignore_errors=True)
 
@@ -153,7 +155,7 @@ def _remove_orphans(dest: Path) -> None:
 def _extract_atomically(
     archive: Path, kind: str, dest: Path, identity: Mapping[str, Any], max_total_bytes: int
 ) -> None:
-    temp = dest.with_name(f".{dest.name}.{owner_tag()}.extracting")
+    temp = dest.with_name(f".{sidecar_stem(dest.name)}.{owner_tag()}.extracting")
     temp.mkdir()
     try:
         logger.info("extracting %s into %s", archive, dest)
@@ -194,7 +196,7 @@ def _publish(temp: Path, dest: Path, identity: Mapping[str, Any]) -> None:
         # Only reached without a working lock: another caller may have published meanwhile.
         if _state(dest, identity) == "complete":
             return
-        old = dest.with_name(f".{dest.name}.{owner_tag()}.old")
+        old = dest.with_name(f".{sidecar_stem(dest.name)}.{owner_tag()}.old")
         with contextlib.suppress(FileNotFoundError):
             os.rename(dest, old)
             shutil.rmtree(old, ignore_errors=True)

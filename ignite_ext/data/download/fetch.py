@@ -30,37 +30,73 @@ How one file gets from a URL to ``root/filename``, whatever else runs at the sam
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
+import re
+import shutil
+import sys
 import time
 import urllib.parse
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from ignite_ext._fs import exclusive, fsync_dir, unlink
-from ignite_ext.data.download._http import FatalHTTPError, RetryableError, backoff_delay, check_scheme, open_range
+from ignite_ext._fs import exclusive, fsync_dir, sidecar_stem, unlink
+from ignite_ext.data.download._http import (
+    FatalHTTPError,
+    RangeMismatch,
+    RetryableError,
+    backoff_delay,
+    check_scheme,
+    open_range,
+)
 from ignite_ext.data.download._partial import ORPHAN_MAX_AGE_S, Partial, claim, park
 from ignite_ext.data.download._verify import CHUNK, expected_digests, is_valid, mismatch, remember_digests
-from ignite_ext.data.download.extract import archive_stem, extract_archive
+from ignite_ext.data.download.extract import DEFAULT_MAX_TOTAL_BYTES, archive_stem, extract_archive
 from ignite_ext.errors import ChecksumError, DownloadError
 
 __all__ = ["ORPHAN_MAX_AGE_S", "ChecksumError", "DownloadError", "download_url"]
 
 logger = logging.getLogger("ignite_ext.data.download")
 
+# The names of the files kept beside a target: a target named like one would be overwritten by another's.
+_BOOKKEEPING = re.compile(r"\..+\.(?:lock|verified\.json|part|part\.json|tmp|tmp\.json|extract\.lock|extracting|old)")
+
+
+@dataclass(frozen=True)
+class _Job:
+    """What every attempt of one call needs to know."""
+
+    expected: Mapping[str, str]
+    timeout: float
+    retries: int
+    progress: bool
+    ends_at: float | None  # time.monotonic() past which this call gives up
+
+    def check_deadline(self, url: str) -> None:
+        if self.ends_at is not None and time.monotonic() > self.ends_at:
+            raise _DeadlinePassed(f"{url}: gave up: the deadline passed")
+
+
+class _DeadlinePassed(DownloadError):
+    """The call's ``deadline`` passed; not retried."""
+
 
 def download_url(
     url: str,
     root: str | os.PathLike[str],
     filename: str | None = None,
+    md5: str | None = None,
     *,
     sha256: str | None = None,
-    md5: str | None = None,
     mirrors: Sequence[str] = (),
     extract: bool = False,
     timeout: float = 30.0,
     retries: int = 3,
+    deadline: float | None = None,
+    max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES,
     progress: bool = True,
 ) -> Path:
     """Download ``url`` to ``root/filename`` once per filesystem, verified, atomically and resumably.
@@ -71,12 +107,15 @@ def download_url(
     digests are remembered, so a verified file is not hashed again on every call. See the module docstring for
     the files involved, and the downloads guide for the guarantees.
 
+    The first four arguments are those of ``torchvision.datasets.utils.download_url``, in its order, so this
+    function can stand in for it.
+
     Args:
-        url: ``http``, ``https`` or ``file`` URL.
+        url: ``http``, ``https`` or ``file`` URL (non-ASCII characters are encoded as UTF-8, hosts as IDNA).
         root: directory to download into; created if missing.
         filename: name of the file in ``root``; by default the last segment of the URL's path.
+        md5: expected MD5 of the file, in hex (fourth, as torchvision's ``download_url`` takes it).
         sha256: expected SHA-256 of the file, in hex.
-        md5: expected MD5 of the file, in hex (as torchvision's ``download_url`` takes it).
         mirrors: further URLs of the same file, tried in order when ``url`` fails.
         extract: extract the archive with :func:`~ignite_ext.data.extract_archive` into ``root/<stem>``, where
             ``<stem>`` is the file name without its archive suffix (``data.tar.gz`` → ``root/data``), and
@@ -85,7 +124,10 @@ def download_url(
         retries: further attempts per URL after connection errors, timeouts, short bodies, 5xx and 429, with
             exponential backoff (a short ``Retry-After`` is honoured); each attempt resumes where the last
             stopped when the server allows it.
-        progress: show a progress bar (only the process that fetches shows one).
+        deadline: seconds this process may spend fetching (all attempts and mirrors together, not counting the
+            wait for another process's fetch); None: no bound beyond ``timeout`` per read and ``retries``.
+        max_total_bytes: with ``extract=True``, the bound on the archive's total uncompressed size.
+        progress: show a progress bar (only the process that fetches shows one, and only on a terminal).
 
     Returns:
         The path of the file, or with ``extract=True`` of the directory it was extracted into.
@@ -93,7 +135,8 @@ def download_url(
     Raises:
         ValueError: a URL scheme other than ``http``, ``https`` and ``file``, a malformed digest or filename.
         ChecksumError: every source served bytes with another digest than expected.
-        DownloadError: a 404 or other 4xx (no retry), or all attempts on all URLs failed.
+        DownloadError: a 404 or other 4xx (no retry), all attempts on all URLs failed, the deadline passed, or
+            the disk cannot hold the file (its message names the URL and the path).
         ArchiveError: with ``extract=True``, an unsafe or oversized archive.
 
     Examples:
@@ -113,8 +156,10 @@ def download_url(
     urls = [url, *mirrors]
     for each in urls:
         check_scheme(each)
-    if retries < 0 or not timeout > 0:
-        raise ValueError(f"need retries >= 0 and timeout > 0, got retries={retries}, timeout={timeout}")
+    if retries < 0 or not timeout > 0 or (deadline is not None and not deadline > 0):
+        raise ValueError(
+            f"need retries >= 0, timeout > 0 and deadline > 0 or None, got {retries=}, {timeout=}, {deadline=}"
+        )
     expected = expected_digests(sha256=sha256, md5=md5)
     root_dir = Path(root).expanduser()
     root_dir.mkdir(parents=True, exist_ok=True)
@@ -123,39 +168,58 @@ def download_url(
         with exclusive(_lock_path(target), f"another process's download of {target}", logger):
             # Whoever held the lock before us may have just published it.
             if not is_valid(target, expected):
-                _fetch(target, urls, expected, timeout=timeout, retries=retries, progress=progress)
+                job = _Job(
+                    expected, timeout, retries, progress, None if deadline is None else time.monotonic() + deadline
+                )
+                _fetch(target, urls, job)
     if not extract:
         return target
-    return extract_archive(target, root_dir / archive_stem(target.name))
+    return extract_archive(target, root_dir / archive_stem(target.name), max_total_bytes=max_total_bytes)
 
 
 def _target_name(url: str, filename: str | None) -> str:
     name = filename if filename is not None else Path(urllib.parse.unquote(urllib.parse.urlsplit(url).path)).name
     if not name or name in (".", "..") or "/" in name or os.sep in name or "\0" in name:
         raise ValueError(f"cannot use {name!r} as a file name for {url!r}; pass a plain filename=")
+    if len(name.encode("utf-8", "surrogateescape")) > 255:
+        raise ValueError(f"{name[:60]!r}... is longer than the 255 bytes a file name may have; pass filename=")
+    if _BOOKKEEPING.fullmatch(name):
+        raise ValueError(
+            f"{name!r} is named like a download's own bookkeeping file (lock, record, partial); pass filename="
+        )
     return name
 
 
 def _lock_path(target: Path) -> Path:
-    return target.with_name(f".{target.name}.lock")
+    return target.with_name(f".{sidecar_stem(target.name)}.lock")
 
 
-def _fetch(
-    target: Path, urls: Sequence[str], expected: Mapping[str, str], *, timeout: float, retries: int, progress: bool
-) -> None:
-    partial = claim(target, urls, set(expected))
+def _fetch(target: Path, urls: Sequence[str], job: _Job) -> None:
+    partial = claim(target, urls, set(job.expected))
     published = False
     try:
         failures: list[DownloadError] = []
         for url in urls:
             if failures:
                 logger.warning("%s; trying %s", failures[-1], url)
-            failure = _fetch_from(url, partial, expected, timeout=timeout, retries=retries, progress=progress)
+            try:
+                failure = _fetch_from(url, partial, target, job)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or isinstance(exc, DownloadError):
+                    raise
+                partial.discard = True  # resuming into a full disk would fail again at once
+                raise DownloadError(
+                    f"{url}: no space left on the device of {target.parent} after {partial.size} bytes "
+                    f"({os.strerror(exc.errno)}); nothing was kept",
+                    url=url,
+                ) from exc
             if failure is None:
                 _publish(partial, target)
                 published = True
                 return
             failures.append(failure)
+            if isinstance(failure, _DeadlinePassed):
+                break
         raise _combined(failures)
     finally:
         if not published:
@@ -163,25 +227,34 @@ def _fetch(
             park(partial, target, urls[0])
 
 
-def _fetch_from(
-    url: str, partial: Partial, expected: Mapping[str, str], *, timeout: float, retries: int, progress: bool
-) -> DownloadError | None:
+def _fetch_from(url: str, partial: Partial, target: Path, job: _Job) -> DownloadError | None:
     """Try ``url`` until ``partial`` holds the verified file (None) or the URL is given up (the error)."""
     failures = 0
     last: RetryableError | None = None
     refetched = False
-    while failures <= retries:
-        if last is not None:
-            time.sleep(backoff_delay(failures - 1, last.retry_after))
+    while failures <= job.retries:
         try:
-            _transfer(url, partial, timeout=timeout, progress=progress)
+            job.check_deadline(url)
+            if last is not None:
+                _sleep(backoff_delay(failures - 1, last.retry_after), job, url)
+            _transfer(url, partial, target, job)
+        except (_DeadlinePassed, _NoSpace) as exc:
+            partial.discard = partial.discard or isinstance(exc, _NoSpace)
+            return exc
+        except RangeMismatch as exc:
+            # The server's range replies cannot continue these bytes: whole bodies only, for the rest of the call.
+            partial.restart()
+            partial.no_resume = True
+            failures, last = failures + 1, exc
+            logger.info("attempt %d of %d failed: %s", failures, job.retries + 1, exc)
+            continue
         except RetryableError as exc:
             failures, last = failures + 1, exc
-            logger.info("attempt %d of %d failed: %s", failures, retries + 1, exc)
+            logger.info("attempt %d of %d failed: %s", failures, job.retries + 1, exc)
             continue
         except FatalHTTPError as exc:
-            return DownloadError(str(exc), url=url, status=exc.status)
-        wrong = mismatch(expected, partial.digests())
+            return DownloadError(str(exc), url=url, status=exc.status or None)
+        wrong = mismatch(job.expected, partial.digests())
         if wrong is None:
             return None
         spliced = partial.resumed
@@ -189,9 +262,17 @@ def _fetch_from(
         if not spliced or refetched:
             return _checksum_error(url, *wrong)  # the server sent these very bytes: asking again would not help
         # Bytes from several responses (or a crash) may be the culprit: one more try in one piece, free of charge.
+        partial.no_resume = True
         refetched, last = True, None
-    attempts = f"{retries + 1} attempt{'s' if retries else ''}"
+    attempts = f"{job.retries + 1} attempt{'s' if job.retries else ''}"
     return DownloadError(f"{url}: gave up after {attempts}: {str(last).removeprefix(url + ': ')}", url=url)
+
+
+def _sleep(seconds: float, job: _Job, url: str) -> None:
+    if job.ends_at is not None and time.monotonic() + seconds > job.ends_at:
+        time.sleep(max(0.0, job.ends_at - time.monotonic()))
+        job.check_deadline(url)
+    time.sleep(seconds)
 
 
 def _checksum_error(url: str, algorithm: str, expected: str, actual: str) -> ChecksumError:
@@ -199,24 +280,50 @@ def _checksum_error(url: str, algorithm: str, expected: str, actual: str) -> Che
     return ChecksumError(message, algorithm=algorithm, expected=expected, actual=actual, url=url)
 
 
-def _transfer(url: str, partial: Partial, *, timeout: float, progress: bool) -> None:
+def _transfer(url: str, partial: Partial, target: Path, job: _Job) -> None:
     """Make ``partial`` hold the whole body of ``url``, resuming from its bytes when they are from ``url``."""
-    same_source = partial.url == url
+    same_source = partial.url == url and not partial.no_resume
     offset = partial.size if same_source else 0
-    response = open_range(url, offset, partial.validator if same_source else None, timeout)
+    validator = partial.validator if same_source else None
+    response = open_range(url, offset, validator, job.timeout, partial.total if same_source else None)
     with contextlib.closing(response.body):
         if response.offset != partial.size:
             partial.restart()  # a full body: whatever was on disk is of no use
+        if response.complete and not job.expected:
+            # A 416 says the bytes held are the whole file; with no checksum to confirm it, fetch it whole instead.
+            raise RangeMismatch(f"{url}: HTTP 416 for bytes={offset}- and no checksum to confirm the bytes held")
         partial.resumed = partial.resumed or response.offset > 0
-        partial.note_source(url, response.validator)
+        partial.note_source(url, response.validator, response.total if response.total is not None else partial.total)
         if response.complete:
             return
-        with _progress_bar(progress, response.total, partial.size, partial.label) as bar:
+        _check_space(url, target, (response.end or 0) - partial.size)
+        with _progress_bar(job.progress, response.total, partial.size, partial.label) as bar:
             while chunk := _read(response.body, url):
                 partial.append(chunk)
                 bar.update(len(chunk))
-    if response.total is not None and partial.size != response.total:
-        raise RetryableError(f"{url}: connection closed after {partial.size} of {response.total} bytes")
+                job.check_deadline(url)
+    expected_end = response.end if response.end is not None else response.total
+    if expected_end is not None and partial.size != expected_end:
+        raise RetryableError(f"{url}: connection closed after {partial.size} of {expected_end} bytes")
+
+
+def _check_space(url: str, target: Path, needed: int) -> None:
+    """Refuse up front a body the disk cannot hold (when its size is known)."""
+    if needed <= 0:
+        return
+    try:
+        free = shutil.disk_usage(target.parent).free
+    except OSError:
+        return
+    if needed > free:
+        raise _NoSpace(
+            f"{url}: {target.parent} has {free} bytes free, but the file needs {needed} more; nothing was written",
+            url=url,
+        )
+
+
+class _NoSpace(DownloadError):
+    """The disk cannot hold the file; not retried."""
 
 
 def _read(body: IO[bytes], url: str) -> bytes:
@@ -236,7 +343,7 @@ def _progress_bar(enabled: bool, total: int | None, initial: int, label: str) ->
         unit_scale=True,
         unit_divisor=1024,
         desc=label,
-        disable=not enabled,
+        disable=not (enabled and sys.stderr.isatty()),
         leave=False,
     )
 

@@ -1,0 +1,237 @@
+"""download_url against lying servers, hostile neighbours in a shared folder, full disks and odd names.
+
+Without a checksum, the one promise is that the published file is one version of the URL, never a splice of two,
+never bytes the server transformed, and never something another user planted.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from benchmarks.http_server import TestHTTPServer
+from ignite_ext import _fs
+from ignite_ext.data import DownloadError, download_url
+from ignite_ext.data.download import _partial
+from ignite_ext.data.download._http import BACKOFF_ENV
+
+DATA = random.Random(1).randbytes(300_000)
+OTHER = random.Random(2).randbytes(300_000)
+SHA = hashlib.sha256(DATA).hexdigest()
+
+
+@pytest.fixture
+def server() -> Iterator[TestHTTPServer]:
+    with TestHTTPServer() as s:
+        yield s
+
+
+@pytest.fixture(autouse=True)
+def _fast_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(BACKOFF_ENV, "0.01")
+
+
+def park_half(server: TestHTTPServer, url: str, root: Path, path: str = "/a.bin") -> Path:
+    """A first call that stops after 120 kB and parks the bytes, as a killed or failed run leaves them."""
+    server.fault(path, drop_after=120_000, times=1)
+    with pytest.raises(DownloadError):
+        download_url(url, root, retries=0, progress=False)
+    (parked,) = root.glob(f".{path.lstrip('/')}.*.part")
+    return parked
+
+
+# --- lying servers: every case would publish a splice or transformed bytes without the checks ------------------
+
+
+@pytest.mark.parametrize(
+    "lie",
+    [
+        {"range_etag": '"another-version"'},  # a 206 of another version than the If-Range asked for
+        {"range_total": 600_000},  # a 206 for a file of another size than the first response's
+        {"range_status": 416},  # "you have it all" for a partial, with no checksum to confirm it
+    ],
+    ids=["etag", "total", "416"],
+)
+def test_range_replies_that_do_not_continue_the_bytes_are_not_appended(
+    lie: dict[str, object], server: TestHTTPServer, tmp_path: Path
+) -> None:
+    url = server.add("/a.bin", DATA)
+    park_half(server, url, tmp_path)
+    server.add("/a.bin", DATA)  # same bytes and validators: only the range answers lie
+    server.fault("/a.bin", **lie, times=1)
+    assert download_url(url, tmp_path, progress=False).read_bytes() == DATA
+    requests = server.requests("/a.bin")
+    assert requests[-1].range is None and requests[-1].status == 200  # fetched whole after the lie
+
+
+def test_a_206_with_an_unknown_total_and_a_short_body_is_not_published(server: TestHTTPServer, tmp_path: Path) -> None:
+    url = server.add("/a.bin", DATA)
+    park_half(server, url, tmp_path)
+    server.fault("/a.bin", star_total=True, drop_after=50_000, times=1)
+    assert download_url(url, tmp_path, progress=False).read_bytes() == DATA
+
+
+def test_a_weak_last_modified_is_no_validator(server: TestHTTPServer, tmp_path: Path) -> None:
+    # Last-Modified equal to Date (the file changed in the second it was served) can stand for two versions.
+    url = server.add("/a.bin", DATA, etag=False, last_modified=time.time())
+    server.fault("/a.bin", drop_after=120_000, times=1)
+    with pytest.raises(DownloadError):
+        download_url(url, tmp_path, retries=0, progress=False)
+    assert list(tmp_path.glob(".a.bin.*.part")) == []  # nothing resumable was kept
+    server.add("/a.bin", OTHER, etag=False, last_modified=time.time())
+    assert download_url(url, tmp_path, progress=False).read_bytes() == OTHER
+    assert server.requests("/a.bin")[-1].range is None
+
+
+def test_an_encoded_body_is_never_published(server: TestHTTPServer, tmp_path: Path) -> None:
+    url = server.add("/a.bin", DATA)
+    server.fault("/a.bin", encoding="gzip")
+    with pytest.raises(DownloadError, match="Content-Encoding 'gzip'"):
+        download_url(url, tmp_path, progress=False)
+    assert not (tmp_path / "a.bin").exists()
+    assert len(server.requests("/a.bin")) == 1  # not retried: the server would do it again
+
+
+def test_a_redirect_to_ftp_is_refused_like_ftp_itself(server: TestHTTPServer, tmp_path: Path) -> None:
+    url = server.add("/a.bin", DATA)
+    server.fault("/a.bin", redirect="ftp://127.0.0.1:1/a.bin")
+    with pytest.raises(DownloadError, match="redirected to 'ftp://"):
+        download_url(url, tmp_path, progress=False)
+    with pytest.raises(ValueError, match="unsupported URL scheme 'ftp'"):
+        download_url("ftp://127.0.0.1:1/a.bin", tmp_path, progress=False)
+
+
+def test_wrong_range_replies_do_not_wedge_the_url(server: TestHTTPServer, tmp_path: Path) -> None:
+    # Every range answer is wrong (another total), plain GETs are right: the URL must stay downloadable, not be
+    # re-requested with the same Range on every call.
+    url = server.add("/a.bin", DATA)
+    park_half(server, url, tmp_path)
+    server.fault("/a.bin", range_total=600_000)
+    assert download_url(url, tmp_path, progress=False).read_bytes() == DATA
+    assert [(r.range is None, r.status) for r in server.requests("/a.bin")][-1] == (True, 200)
+    # With a checksum and wrong bytes in the range answers: one refetch in one piece.
+    server.clear_fault("/a.bin")
+    park_half(server, url, tmp_path / "again")
+    server.fault("/a.bin", range_wrong_bytes=True)
+    assert download_url(url, tmp_path / "again", sha256=SHA, progress=False).read_bytes() == DATA
+
+
+def test_a_trickling_server_is_bounded_by_the_deadline(server: TestHTTPServer, tmp_path: Path) -> None:
+    url = server.add("/a.bin", DATA)
+    server.fault("/a.bin", trickle_bps=20_000)  # every read returns within timeout=1, the body takes 15 s
+    start = time.monotonic()
+    with pytest.raises(DownloadError, match="deadline"):
+        download_url(url, tmp_path, timeout=1, deadline=1.5, progress=False)
+    assert time.monotonic() - start < 10
+    with pytest.raises(ValueError, match="deadline"):
+        download_url(url, tmp_path, deadline=0, progress=False)
+
+
+# --- full disks -------------------------------------------------------------------------------------------------
+
+
+def test_a_disk_without_room_fails_up_front_naming_url_and_path(
+    server: TestHTTPServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = server.add("/a.bin", DATA)
+    usage = os.statvfs(tmp_path)
+    monkeypatch.setattr("shutil.disk_usage", lambda path: type("U", (), {"free": 1000, "total": usage.f_blocks})())
+    with pytest.raises(DownloadError, match=r"has 1000 bytes free, but the file needs 300000 more") as info:
+        download_url(url, tmp_path, progress=False)
+    assert url in str(info.value) and str(tmp_path) in str(info.value)
+    assert not (tmp_path / "a.bin").exists() and list(tmp_path.glob(".a.bin.*.part")) == []
+
+
+def test_a_disk_that_fills_up_is_an_error_naming_url_and_path_and_keeps_nothing(
+    server: TestHTTPServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = server.add("/a.bin", DATA)
+    real_append = _partial.Partial.append
+
+    def full(self: _partial.Partial, data: bytes) -> None:
+        if self.size + len(data) > 100_000:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_append(self, data)
+
+    monkeypatch.setattr(_partial.Partial, "append", full)
+    with pytest.raises(DownloadError, match="no space left") as info:
+        download_url(url, tmp_path, progress=False)
+    assert url in str(info.value) and str(tmp_path) in str(info.value)
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith((".part", ".tmp"))] == []
+    monkeypatch.undo()
+    monkeypatch.setenv(BACKOFF_ENV, "0.01")
+    assert download_url(url, tmp_path, progress=False).read_bytes() == DATA  # the next call starts clean
+    assert server.requests("/a.bin")[-1].range is None
+
+
+# --- hostile neighbours in a shared folder -----------------------------------------------------------------------
+
+
+def test_a_planted_symlink_under_the_parked_name_is_never_adopted(server: TestHTTPServer, tmp_path: Path) -> None:
+    url = server.add("/a.bin", DATA)
+    parked = park_half(server, url, tmp_path)
+    record = json.loads(Path(str(parked) + ".json").read_text())
+    # Another user replaces the parked bytes by a link to a file of the victim's, with a record pointing at it.
+    precious = tmp_path / "home" / "thesis.tex"
+    precious.parent.mkdir()
+    precious.write_bytes(b"years of work" * 1000)
+    parked.unlink()
+    os.symlink(precious, parked)
+    record["inode"] = precious.stat().st_ino
+    Path(str(parked) + ".json").write_text(json.dumps(record))
+    out = download_url(url, tmp_path, progress=False)
+    assert precious.read_bytes() == b"years of work" * 1000  # untouched
+    assert not out.is_symlink() and out.read_bytes() == DATA
+    assert server.requests("/a.bin")[-1].range is None  # nothing was resumed from the planted file
+
+
+def test_a_planted_symlink_named_like_a_dead_writers_temp_file_is_never_adopted(
+    server: TestHTTPServer, tmp_path: Path
+) -> None:
+    url = server.add("/a.bin", DATA)
+    precious = tmp_path / "precious.bin"
+    precious.write_bytes(b"mine" * 1000)
+    temp = tmp_path / f".a.bin.{_fs.host()}.999999999.0123abcd.tmp"  # a pid that does not run
+    os.symlink(precious, temp)
+    st = precious.stat()
+    record = {"url": url, "etag": None, "last_modified": "Mon, 01 Jan 2024 00:00:00 GMT", "inode": st.st_ino}
+    Path(str(temp) + ".json").write_text(json.dumps(record))
+    out = download_url(url, tmp_path, progress=False)
+    assert precious.read_bytes() == b"mine" * 1000
+    assert not out.is_symlink() and out.read_bytes() == DATA
+
+
+# --- names --------------------------------------------------------------------------------------------------------
+
+
+def test_a_240_character_filename_gets_short_sidecar_names(server: TestHTTPServer, tmp_path: Path) -> None:
+    name = "n" * 236 + ".bin"
+    url = server.add("/" + name, DATA)
+    server.fault("/" + name, drop_after=120_000, times=1)
+    with pytest.raises(DownloadError):
+        download_url(url, tmp_path, retries=0, progress=False)
+    assert download_url(url, tmp_path, sha256=SHA, progress=False).read_bytes() == DATA
+    assert server.requests("/" + name)[-1].range == "bytes=120000-"  # the parked bytes were found and resumed
+    assert all(len(p.name.encode()) <= 255 for p in tmp_path.iterdir())
+
+
+def test_a_non_ascii_url_is_encoded_not_an_error(server: TestHTTPServer, tmp_path: Path) -> None:
+    server.add("/donn%C3%A9es/%C3%A4%20b.bin", DATA)
+    url = server.url("/données/ä b.bin")
+    out = download_url(url, tmp_path, progress=False)
+    assert out.name == "ä b.bin" and out.read_bytes() == DATA
+
+
+def test_a_target_named_like_bookkeeping_files_is_refused(server: TestHTTPServer, tmp_path: Path) -> None:
+    url = server.add("/.a.bin.verified.json", b"{}")
+    with pytest.raises(ValueError, match="bookkeeping"):
+        download_url(url, tmp_path, progress=False)
+    assert download_url(url, tmp_path, filename="record.json", progress=False).read_bytes() == b"{}"
