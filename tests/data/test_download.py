@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.http_server import TestHTTPServer
 from ignite_ext import _fs
 from ignite_ext.__main__ import main
 from ignite_ext.data import ChecksumError, DownloadError, download_url
 from ignite_ext.data.download import _partial, _verify
 from ignite_ext.data.download._http import BACKOFF_ENV
 from tests._world import free_port
-from tests.data.http_server import TestHTTPServer
 
 DATA = random.Random(0).randbytes(300_000)
 SHA = hashlib.sha256(DATA).hexdigest()
@@ -298,12 +298,15 @@ def test_waiting_caller_logs_once_and_gets_the_same_file(
     assert server.bytes_served("/a.bin") == len(DATA) and len(server.requests("/a.bin")) == 1
 
 
-def test_progress_bar_only_when_asked(
-    server: TestHTTPServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def test_progress_bar_only_when_asked_and_only_on_a_terminal(
+    server: TestHTTPServer, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     url = server.add("/a.bin", DATA)
     download_url(url, tmp_path / "quiet", progress=False)
     assert capsys.readouterr().err == ""
+    download_url(url, tmp_path / "log", progress=True)  # stderr is a pipe or a job log: no carriage returns there
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     download_url(url, tmp_path / "loud", progress=True)
     assert "a.bin" in capsys.readouterr().err
 
@@ -340,9 +343,11 @@ def test_cli_prints_the_path_or_one_error_line(
     err = capsys.readouterr().err
     assert re.fullmatch(r"error: DownloadError: .*404.*\n", err)
     assert (
-        main(["download", url, "--root", str(tmp_path), "--md5", "0" * 32, "--filename", "b.bin", "--no-progress"]) == 1
+        main(["download", url, "--root", str(tmp_path), "--md5", "0" * 32, "--filename", "b.bin", "--no-progress"]) == 3
     )
     assert capsys.readouterr().err.startswith("error: ChecksumError: ")
+    assert main(["download", url, "--root", str(tmp_path), "--sha256", "xyz", "--no-progress"]) == 2  # bad argument
+    assert capsys.readouterr().err.startswith("error: ValueError: sha256 must be 64 hex digits")
 
 
 def test_file_fsynced_before_publish_and_directory_after(

@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
+from benchmarks.http_server import TestHTTPServer
 from ignite_ext.data.download._http import BACKOFF_ENV
 from tests._world import World
-from tests.data.http_server import TestHTTPServer
 
 pytestmark = pytest.mark.distributed
 

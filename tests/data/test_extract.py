@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.http_server import TestHTTPServer
 from ignite_ext._fs import host
 from ignite_ext.data import ArchiveError, download_url, extract_archive
 from ignite_ext.data.download import _members
 from ignite_ext.data.download import extract as ex
 from tests._world import World
-from tests.data.http_server import TestHTTPServer
 
 Member = tuple[tarfile.TarInfo, bytes | None]
 
@@ -323,7 +323,7 @@ def test_truncated_archive_is_an_archive_error(tmp_path: Path, suffix: str) -> N
 
 
 def test_data_filter_stands_behind_the_member_checks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_members, "_check_tar_members", lambda members, max_total_bytes: None)
+    monkeypatch.setattr(_members, "check_tar_members", lambda members, max_total_bytes: None)
     archive = make_tar(tmp_path / "evil.tar", special("link", tarfile.SYMTYPE, "../../outside"))
     with pytest.raises(ArchiveError, match="refused by tarfile's data filter"):
         extract_archive(archive, tmp_path / "out")
