@@ -42,10 +42,9 @@ def _fast_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def leftovers(root: Path) -> list[str]:
-    """Hidden files other than the lock and the digest record: temp and partial files."""
-    return sorted(
-        p.name for p in root.iterdir() if p.name.startswith(".") and not p.name.endswith((".lock", ".verified.json"))
-    )
+    """Hidden files other than the lock and the records (digests, last failure): temp and partial files."""
+    records = (".lock", ".verified.json", ".failed.json")
+    return sorted(p.name for p in root.iterdir() if p.name.startswith(".") and not p.name.endswith(records))
 
 
 def dead_pid() -> int:
@@ -315,8 +314,8 @@ def test_lock_that_cannot_be_taken_does_not_fail(
     server: TestHTTPServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     class Broken:
-        def acquire(self, timeout: float | None = None, poll_interval: float = 0.05) -> None:
-            raise OSError(38, "flock not supported")
+        def acquire(self, blocking: bool = True) -> bool:
+            raise OSError(38, "locks not supported")
 
         def release(self) -> None:
             raise AssertionError("never held")

@@ -42,8 +42,8 @@ class _NoLock:
     def __init__(self, path: str) -> None:
         self.path = path
 
-    def acquire(self, timeout: float | None = None, poll_interval: float = 0.05) -> None:
-        pass
+    def acquire(self, blocking: bool = True) -> bool:
+        return True
 
     def release(self) -> None:
         pass

@@ -11,7 +11,7 @@ import hashlib
 import logging
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,16 @@ __all__ = [
 ]
 
 logger = logging.getLogger("ignite_ext.data.download")
+_WARNED: set[tuple[str, str]] = set()
+
+
+def _first_warning(target: Path, url: str) -> bool:
+    key = (str(target), url)
+    if key in _WARNED:
+        return False
+    _WARNED.add(key)
+    return True
+
 
 #: Bytes read or written at a time.
 CHUNK = 1 << 20
@@ -71,9 +81,13 @@ def file_key(st: os.stat_result) -> dict[str, int]:
     return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino}
 
 
-def remember_digests(target: Path, st: os.stat_result, digests: Mapping[str, str]) -> None:
+def remember_digests(target: Path, st: os.stat_result, digests: Mapping[str, str], url: str | None = None) -> None:
+    """Record the digests of the published ``target`` (and, when it was just fetched, where from)."""
+    if url is None:  # hashed again: keep what the record says of where the file came from
+        old = read_json(verified_path(target))
+        url = old.get("url") if old is not None and isinstance(old.get("url"), str) else None
     with contextlib.suppress(OSError):  # a read-only dataset directory just means hashing again next time
-        write_json(verified_path(target), {**file_key(st), "digests": dict(digests)})
+        write_json(verified_path(target), {**file_key(st), "digests": dict(digests), "url": url})
 
 
 def digests_of(target: Path, st: os.stat_result, algorithms: set[str]) -> dict[str, str]:
@@ -95,13 +109,27 @@ def mismatch(expected: Mapping[str, str], actual: Mapping[str, str]) -> tuple[st
     return None
 
 
-def is_valid(target: Path, expected: Mapping[str, str]) -> bool:
-    """Whether ``target`` exists and has the expected digests (any existing file when none are expected)."""
+def is_valid(target: Path, expected: Mapping[str, str], urls: Sequence[str] = ()) -> bool:
+    """Whether ``target`` exists and has the expected digests (any existing file when none are expected).
+
+    Without a checksum, a file that the record says came from another URL than ``urls`` is still returned (two
+    URLs with one basename share a target), with a warning naming both: ``filename=`` keeps them apart.
+    """
     try:
         st = target.stat()
     except FileNotFoundError:
         return False
     if not expected:
+        record = read_json(verified_path(target))
+        source = record.get("url") if record is not None else None
+        if urls and isinstance(source, str) and source not in urls and _first_warning(target, urls[0]):
+            logger.warning(
+                "%s was downloaded from %s, not from %s; returning it as is (no checksum to tell them apart): "
+                "pass filename= to keep the two apart, or sha256= to verify",
+                target,
+                source,
+                urls[0],
+            )
         return True
     wrong = mismatch(expected, digests_of(target, st, set(expected)))
     if wrong is not None:

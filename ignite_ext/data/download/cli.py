@@ -1,7 +1,10 @@
 """``python -m ignite_ext download``: fetch a file once per filesystem from a job prologue or a shell.
 
-Building the parser imports nothing but :mod:`argparse`, so ``--help`` answers at once; the download machinery is
-imported when a download runs.
+Building the parser imports little (``--help`` answers at once); the download machinery is imported when a download
+runs. Made for job prologues: the path on stdout, one ``error:`` line on stderr and a documented exit status on
+failure (never a traceback); while waiting for another process's fetch, a line on stderr every few seconds naming
+the lock holder's host and pid, and one when this process takes over (``--quiet`` silences them, ``--verbose``
+adds every failed attempt); progress bars only on a terminal.
 
 .. versionadded:: 0.1.0
 """
@@ -9,7 +12,12 @@ imported when a download runs.
 from __future__ import annotations
 
 import argparse
+import logging
+import os
+import socket
 import sys
+
+from ignite_ext.data.download.extract import DEFAULT_MAX_TOTAL_BYTES
 
 __all__ = ["EXIT_CHECKSUM", "EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_USAGE", "add_cli_arguments", "cli"]
 
@@ -35,8 +43,8 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
         >>> parser = argparse.ArgumentParser()
         >>> add_cli_arguments(parser)
         >>> args = parser.parse_args(["https://example.org/a.tgz", "--root", "data", "--extract"])
-        >>> args.url, args.root, args.extract, args.progress
-        ('https://example.org/a.tgz', 'data', True, True)
+        >>> args.url, args.root, args.extract, args.progress, args.log_level
+        ('https://example.org/a.tgz', 'data', True, True, 20)
 
     .. versionadded:: 0.1.0
     """
@@ -47,9 +55,24 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--md5", help="expected MD5, hex")
     parser.add_argument("--mirror", action="append", default=[], dest="mirrors", help="another URL (repeatable)")
     parser.add_argument("--extract", action="store_true", help="extract the archive into ROOT/<stem>")
-    parser.add_argument("--timeout", type=float, default=30.0, help="seconds (default: 30)")
+    parser.add_argument("--timeout", type=float, default=30.0, help="seconds per connection or read (default: 30)")
     parser.add_argument("--retries", type=int, default=3, help="further attempts per URL (default: 3)")
-    parser.add_argument("--no-progress", action="store_false", dest="progress", help="no progress bar")
+    parser.add_argument("--deadline", type=float, help="give up fetching after this many seconds (default: none)")
+    parser.add_argument(
+        "--max-total-bytes",
+        type=int,
+        default=DEFAULT_MAX_TOTAL_BYTES,
+        help="with --extract, refuse archives larger than this uncompressed (default: 1 TiB)",
+    )
+    parser.add_argument("--no-progress", action="store_false", dest="progress", help="no progress bar (only on a TTY)")
+    talk = parser.add_mutually_exclusive_group()
+    talk.add_argument(
+        "-q", "--quiet", action="store_const", const=logging.WARNING, dest="log_level", help="only warnings, errors"
+    )
+    talk.add_argument(
+        "-v", "--verbose", action="store_const", const=logging.DEBUG, dest="log_level", help="every attempt, too"
+    )
+    parser.set_defaults(log_level=logging.INFO)
 
 
 def cli(args: argparse.Namespace) -> int:
@@ -82,17 +105,20 @@ def cli(args: argparse.Namespace) -> int:
     from ignite_ext.data.download.fetch import download_url
     from ignite_ext.errors import ArchiveError, ChecksumError
 
+    handler = _stderr_handler(getattr(args, "log_level", logging.INFO))
     try:
         path = download_url(
             args.url,
             args.root,
             args.filename,
+            args.md5,
             sha256=args.sha256,
-            md5=args.md5,
             mirrors=args.mirrors,
             extract=args.extract,
             timeout=args.timeout,
             retries=args.retries,
+            deadline=getattr(args, "deadline", None),
+            max_total_bytes=getattr(args, "max_total_bytes", DEFAULT_MAX_TOTAL_BYTES),
             progress=args.progress,
         )
     except KeyboardInterrupt:
@@ -106,5 +132,27 @@ def cli(args: argparse.Namespace) -> int:
         if isinstance(exc, ValueError) and not isinstance(exc, ArchiveError):
             return EXIT_USAGE
         return EXIT_FAILED
+    finally:
+        _remove(handler)
     print(path)
     return 0
+
+
+# What a job prologue's log shows: whom a process waits for, when it takes over, attempts that failed.
+_LOGGERS = ("ignite_ext.data.download", "ignite_ext.data.extract")
+
+
+def _stderr_handler(level: int) -> logging.Handler:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"ignite_ext download [{socket.gethostname()}:{os.getpid()}] %(message)s"))
+    handler.setLevel(level)
+    for name in _LOGGERS:
+        logger = logging.getLogger(name)
+        logger.addHandler(handler)
+        logger.setLevel(min(level, logger.level or logging.WARNING))
+    return handler
+
+
+def _remove(handler: logging.Handler) -> None:
+    for name in _LOGGERS:
+        logging.getLogger(name).removeHandler(handler)

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ignite_ext._fs import exclusive, fsync_dir, sidecar_stem, unlink
+from ignite_ext.data.download._failures import forget_failure, raise_shared_failure, share_failure
 from ignite_ext.data.download._http import (
     FatalHTTPError,
     RangeMismatch,
@@ -62,7 +63,9 @@ __all__ = ["ORPHAN_MAX_AGE_S", "ChecksumError", "DownloadError", "download_url"]
 logger = logging.getLogger("ignite_ext.data.download")
 
 # The names of the files kept beside a target: a target named like one would be overwritten by another's.
-_BOOKKEEPING = re.compile(r"\..+\.(?:lock|verified\.json|part|part\.json|tmp|tmp\.json|extract\.lock|extracting|old)")
+_BOOKKEEPING = re.compile(
+    r"\..+\.(?:lock|verified\.json|failed\.json|part|part\.json|tmp|tmp\.json|extract\.lock|extracting|old)"
+)
 
 
 @dataclass(frozen=True)
@@ -164,14 +167,19 @@ def download_url(
     root_dir = Path(root).expanduser()
     root_dir.mkdir(parents=True, exist_ok=True)
     target = root_dir / _target_name(url, filename)
-    if not is_valid(target, expected):
-        with exclusive(_lock_path(target), f"another process's download of {target}", logger):
-            # Whoever held the lock before us may have just published it.
-            if not is_valid(target, expected):
-                job = _Job(
-                    expected, timeout, retries, progress, None if deadline is None else time.monotonic() + deadline
-                )
-                _fetch(target, urls, job)
+    if not is_valid(target, expected, urls):
+        with exclusive(_lock_path(target), f"another process's download of {target}", logger) as waited:
+            # Whoever held the lock before us may have just published it, or just failed.
+            if not is_valid(target, expected, urls):
+                if waited:
+                    raise_shared_failure(target, urls)
+                ends_at = None if deadline is None else time.monotonic() + deadline
+                try:
+                    _fetch(target, urls, _Job(expected, timeout, retries, progress, ends_at))
+                except DownloadError as exc:
+                    share_failure(target, urls, exc)
+                    raise
+                forget_failure(target)
     if not extract:
         return target
     return extract_archive(target, root_dir / archive_stem(target.name), max_total_bytes=max_total_bytes)
@@ -354,7 +362,7 @@ def _publish(partial: Partial, target: Path) -> None:
     os.replace(partial.path, target)
     fsync_dir(target.parent)
     unlink(partial.meta)
-    remember_digests(target, st, digests)
+    remember_digests(target, st, digests, partial.url)
 
 
 def _combined(failures: Sequence[DownloadError]) -> DownloadError:

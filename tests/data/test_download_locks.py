@@ -1,0 +1,207 @@
+"""The download lock (a POSIX record lock, the kind NFS and GPFS make coherent), what waiting processes say, the
+failure they share, and where a file came from."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks.http_server import TestHTTPServer
+from ignite_ext import _fs
+from ignite_ext.data import DownloadError, download_url
+from ignite_ext.data.download._http import BACKOFF_ENV
+from tests._world import World
+
+DATA = random.Random(3).randbytes(200_000)
+SHA = hashlib.sha256(DATA).hexdigest()
+
+# Tries a record lock on the file from another process: exit 0 if it got it, 1 if it is held.
+_PROBE = textwrap.dedent(
+    """
+    import fcntl, os, sys
+    fd = os.open(sys.argv[1], os.O_RDWR)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        sys.exit(1)
+    sys.exit(0)
+    """
+)
+# Holds the lock until killed, after saying so.
+_HOLDER = textwrap.dedent(
+    """
+    import sys, time
+    from ignite_ext._fs import RecordLock
+    lock = RecordLock(sys.argv[1])
+    lock.acquire()
+    print("held", flush=True)
+    time.sleep(float(sys.argv[2]))
+    lock.release()
+    """
+)
+
+
+@pytest.fixture
+def server() -> Iterator[TestHTTPServer]:
+    with TestHTTPServer() as s:
+        yield s
+
+
+def _probe(path: Path) -> int:
+    return subprocess.run([sys.executable, "-c", _PROBE, str(path)], timeout=60).returncode
+
+
+def _hold(path: Path, seconds: float) -> subprocess.Popen[str]:
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, str(path), str(seconds)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+    return proc
+
+
+@pytest.mark.distributed
+def test_the_lock_is_a_record_lock_that_other_processes_see(tmp_path: Path) -> None:
+    # flock and record locks do not see each other on a local Linux filesystem: this fails for an flock.
+    path = tmp_path / ".a.bin.lock"
+    lock = _fs.RecordLock(str(path))
+    assert lock.acquire()
+    try:
+        assert _probe(path) == 1
+        assert _fs.holder(path) == f"{socket.gethostname()} {os.getpid()}"
+    finally:
+        lock.release()
+    assert _probe(path) == 0
+
+
+@pytest.mark.distributed
+def test_a_killed_holder_releases_the_lock(tmp_path: Path) -> None:
+    path = tmp_path / ".a.bin.lock"
+    proc = _hold(path, 60)
+    try:
+        assert not _fs.RecordLock(str(path)).acquire(blocking=False)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    lock = _fs.RecordLock(str(path))
+    assert lock.acquire(blocking=False)
+    lock.release()
+
+
+def test_threads_of_one_process_exclude_each_other_and_never_drop_the_processs_lock(tmp_path: Path) -> None:
+    path = tmp_path / ".a.bin.lock"
+    inside: list[int] = []
+    overlap: list[bool] = []
+
+    def work(i: int) -> None:
+        with _fs.exclusive(path, "a test", logging.getLogger("test")):
+            inside.append(i)
+            overlap.append(len(inside) > 1)
+            time.sleep(0.05)
+            inside.remove(i)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert overlap == [False] * 6
+
+
+@pytest.mark.distributed
+def test_a_waiting_process_says_whom_it_waits_for_and_when_it_takes_over(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(_fs, "WAIT_LOG_INTERVAL_S", 0.3)
+    path = tmp_path / ".a.bin.lock"
+    proc = _hold(path, 1.5)
+    try:
+        with (
+            caplog.at_level(logging.INFO, logger="test"),
+            _fs.exclusive(path, "a test", logging.getLogger("test")) as w,
+        ):
+            assert w
+    finally:
+        proc.wait(30)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0] == f"waiting for a test (held by {socket.gethostname()} pid {proc.pid})", lines
+    assert any(line.startswith("still waiting (") for line in lines), lines
+    assert lines[-1] == f"took over: {path.name} is free"
+
+
+def _fetch_failing(url: str, root: str) -> dict[str, Any]:
+    start = time.monotonic()
+    try:
+        download_url(url, root, retries=3, progress=False)
+        return {"outcome": "ok"}
+    except DownloadError as exc:
+        return {"outcome": type(exc).__name__, "message": str(exc), "s": time.monotonic() - start}
+
+
+@pytest.mark.distributed
+def test_waiters_of_a_failed_fetch_share_its_failure_instead_of_retrying(
+    world: World, server: TestHTTPServer, tmp_path: Path
+) -> None:
+    url = server.add("/a.bin", DATA)
+    server.fault("/a.bin", status=503)
+    # Backoff 0.4 s: the first fetch takes ~3 s over 4 attempts, long enough for every other process to wait on it.
+    seen = world(_fetch_failing, url, str(tmp_path), nprocs=6, backend=None, env={BACKOFF_ENV: "0.4"}, deadline=90)
+    assert [s["outcome"] for s in seen] == ["DownloadError"] * 6
+    assert all("HTTP 503" in s["message"] for s in seen)
+    shared = [s for s in seen if "failed" in s["message"] and "s ago" in s["message"]]
+    assert len(shared) == 5, [s["message"] for s in seen]
+    assert len(server.requests("/a.bin")) == 4  # one retry schedule, not six
+    # A later call did not wait for anyone: it tries again, and succeeds once the server is well.
+    server.clear_fault("/a.bin")
+    assert download_url(url, tmp_path, progress=False).read_bytes() == DATA
+    assert not list(tmp_path.glob(".a.bin.failed.json"))
+
+
+def test_two_urls_with_one_basename_warn_that_they_share_a_target(
+    server: TestHTTPServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    v1 = server.add("/v1/w.pt", DATA)
+    v2 = server.add("/v2/w.pt", DATA[::-1])
+    download_url(v1, tmp_path, progress=False)
+    with caplog.at_level(logging.WARNING, logger="ignite_ext.data.download"):
+        assert download_url(v2, tmp_path, progress=False).read_bytes() == DATA  # no checksum: returned as is
+        download_url(v2, tmp_path, progress=False)
+    warnings = [r.getMessage() for r in caplog.records if "was downloaded from" in r.getMessage()]
+    assert len(warnings) == 1 and v1 in warnings[0] and v2 in warnings[0] and "filename=" in warnings[0]
+    out = download_url(v2, tmp_path, filename="w-v2.pt", progress=False)
+    assert out.read_bytes() == DATA[::-1]
+
+
+@pytest.mark.distributed
+def test_cli_prologues_say_whom_they_wait_for_unless_quiet(server: TestHTTPServer, tmp_path: Path) -> None:
+    url = server.add("/a.bin", DATA)
+    server.fault("/a.bin", trickle_bps=100_000, times=1)  # the first fetch takes ~2 s
+    cmd = [sys.executable, "-m", "ignite_ext", "download", url, "--root", str(tmp_path), "--sha256", SHA]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    lock = tmp_path / ".a.bin.lock"
+    deadline = time.monotonic() + 30
+    while _fs.holder(lock) is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    others = [
+        subprocess.Popen([*cmd, *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for flags in ([], ["--quiet"])
+    ]
+    outs = [p.communicate(timeout=60) for p in (first, *others)]
+    assert [p.returncode for p in (first, *others)] == [0, 0, 0], outs
+    assert {out.strip() for out, _ in outs} == {str(tmp_path / "a.bin")}
+    loud, quiet = outs[1][1], outs[2][1]
+    assert f"waiting for another process's download of {tmp_path / 'a.bin'} (held by " in loud, loud
+    assert f" pid {first.pid})" in loud and "took over" in loud
+    assert quiet == "" and "Traceback" not in loud
