@@ -80,13 +80,13 @@ def test_a_206_with_an_unknown_total_and_a_short_body_is_not_published(server: T
 
 
 def test_a_weak_last_modified_is_no_validator(server: TestHTTPServer, tmp_path: Path) -> None:
-    # Last-Modified equal to Date (the file changed in the second it was served) can stand for two versions.
-    url = server.add("/a.bin", DATA, etag=False, last_modified=time.time())
+    # Last-Modified not a second before Date (here: after it) can stand for two versions of the file.
+    url = server.add("/a.bin", DATA, etag=False, last_modified=time.time() + 5)
     server.fault("/a.bin", drop_after=120_000, times=1)
     with pytest.raises(DownloadError):
         download_url(url, tmp_path, retries=0, progress=False)
     assert list(tmp_path.glob(".a.bin.*.part")) == []  # nothing resumable was kept
-    server.add("/a.bin", OTHER, etag=False, last_modified=time.time())
+    server.add("/a.bin", OTHER, etag=False, last_modified=time.time() + 5)
     assert download_url(url, tmp_path, progress=False).read_bytes() == OTHER
     assert server.requests("/a.bin")[-1].range is None
 

@@ -183,5 +183,6 @@ def test_cli_prints_one_line_not_a_traceback_for_a_refused_archive(
     archive = make_tar(tmp_path / "src" / "evil.tar", *ATTACKS["redefined_symlink"])
     status = main(["download", archive.as_uri(), "--root", str(tmp_path / "data"), "--extract", "--no-progress"])
     err = capsys.readouterr().err
-    assert status == 1 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
-    assert err.startswith("error: ArchiveError:")
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert status == 1 and "Traceback" not in err and len(errors) == 1, err
+    assert errors[0].startswith("error: ArchiveError:") and err.endswith(errors[0] + "\n")
