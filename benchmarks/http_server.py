@@ -3,7 +3,8 @@
 It serves in-memory files, supports ``Range: bytes=N-`` with ``If-Range`` (ETag or Last-Modified), counts
 requests and body bytes per path, and can misbehave per path: close the connection mid-body, stall, send
 wrong bytes, answer a status (500, 429 with ``Retry-After``, 404) a number of times, or ignore ``Range``.
-An optional throttle paces all bodies together, like one shared link.
+An optional throttle paces all bodies together, like one shared link; another paces each connection on its own,
+like a server or CDN that limits every flow (where parallel ranges help).
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ class _State:
     stop: threading.Event = field(default_factory=threading.Event)
     throttle_bps: float | None = None
     next_slot: float = 0.0
+    conn_bps: float | None = None
 
 
 class TestHTTPServer:
@@ -86,8 +88,8 @@ class TestHTTPServer:
 
     __test__ = False  # not a test class, despite the name
 
-    def __init__(self, throttle_bps: float | None = None) -> None:
-        self.state = _State(throttle_bps=throttle_bps)
+    def __init__(self, throttle_bps: float | None = None, conn_bps: float | None = None) -> None:
+        self.state = _State(throttle_bps=throttle_bps, conn_bps=conn_bps)
         state = self.state
 
         class Handler(_Handler):
@@ -219,7 +221,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _start(self, request: Request, file: _File, fault: Fault) -> int | None:
         """Where the body starts (None: answered 416)."""
-        match = re.fullmatch(r"bytes=(\d+)-", request.range or "")
+        match = re.fullmatch(r"bytes=(\d+)-(\d*)", request.range or "")
         if match is None or fault.ignore_range:
             return 0
         if request.if_range is not None and request.if_range not in (file.etag, file.last_modified):
@@ -240,7 +242,9 @@ class _Handler(BaseHTTPRequestHandler):
             return
         data = file.data
         request.status = 206 if start else 200
-        body = data[start:]
+        last = re.fullmatch(r"bytes=\d+-(\d+)", request.range or "") if start else None
+        stop = min(len(data), int(last.group(1)) + 1) if last else len(data)
+        body = data[start:stop]
         if fault.encoding == "gzip":
             body = gzip.compress(body)
         self.send_response(request.status)
@@ -255,7 +259,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Content-Encoding", fault.encoding)
         if start:
             total = "*" if fault.star_total else str(fault.range_total or len(data))
-            self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{total}")
+            self.send_header("Content-Range", f"bytes {start}-{stop - 1}/{total}")
         self.end_headers()
         if start and fault.range_wrong_bytes:
             fault = dataclasses.replace(fault, wrong_bytes=True)
@@ -286,6 +290,8 @@ class _Handler(BaseHTTPRequestHandler):
             if fault.wrong_bytes:
                 chunk = chunk.translate(_FLIP)
             self._pace(n)
+            if self.state.conn_bps:  # each connection its own link of conn_bps, as a per-flow limited CDN
+                time.sleep(n / self.state.conn_bps)
             if fault.trickle_bps:
                 n = min(n, 1024)
                 chunk = chunk[:n]

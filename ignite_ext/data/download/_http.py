@@ -169,6 +169,7 @@ class Response:
         validator: the version of the file this body belongs to.
         complete: True when the server says the bytes already held are the whole file (nothing to read).
         end: where the body must end in the file (a 206's announced range, or a full body's length), if known.
+        ranges: whether the server serves byte ranges of this file (``Accept-Ranges: bytes``, or a 206).
 
     Examples:
         >>> import io
@@ -185,6 +186,7 @@ class Response:
     validator: Validator
     complete: bool = False
     end: int | None = None
+    ranges: bool = False
 
 
 def check_scheme(url: str) -> None:
@@ -237,7 +239,12 @@ def backoff_delay(attempt: int, retry_after: float | None = None) -> float:
 
 
 def open_range(
-    url: str, offset: int, validator: Validator | None, timeout: float, total: int | None = None
+    url: str,
+    offset: int,
+    validator: Validator | None,
+    timeout: float,
+    total: int | None = None,
+    stop: int | None = None,
 ) -> Response:
     """Request ``url`` from byte ``offset`` on, valid only if the file is still ``validator``'s version.
 
@@ -251,6 +258,7 @@ def open_range(
         validator: the version those bytes belong to.
         timeout: seconds to wait for the connection and for each read.
         total: the file's size as an earlier response gave it, if known: a 206 claiming another is refused.
+        stop: ask only for the bytes before this offset (one segment of a parallel fetch).
 
     Returns:
         The open response; :attr:`Response.offset` says where its body starts.
@@ -279,7 +287,7 @@ def open_range(
     resume = offset > 0 and validator is not None and validator.if_range is not None
     if resume:
         assert validator is not None and validator.if_range is not None
-        headers["Range"] = f"bytes={offset}-"
+        headers["Range"] = f"bytes={offset}-" if stop is None else f"bytes={offset}-{stop - 1}"
         headers["If-Range"] = validator.if_range
     request = urllib.request.Request(as_uri(url), headers=headers)
     try:
@@ -288,11 +296,11 @@ def open_range(
         return _from_http_error(url, exc, offset if resume else 0)
     except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
         raise RetryableError(f"{url}: {_reason(exc)}") from exc
-    return _from_success(url, raw, offset if resume else 0, validator if resume else None, total)
+    return _from_success(url, raw, offset if resume else 0, validator if resume else None, total, stop)
 
 
 def _from_success(
-    url: str, raw: IO[bytes], requested: int, sent: Validator | None, known_total: int | None
+    url: str, raw: IO[bytes], requested: int, sent: Validator | None, known_total: int | None, stop: int | None = None
 ) -> Response:
     status = getattr(raw, "status", None) or 200  # file:// responses carry no status
     headers: Message = raw.headers  # type: ignore[attr-defined]
@@ -307,14 +315,17 @@ def _from_success(
         match = _CONTENT_RANGE.fullmatch(headers.get("Content-Range", "").strip())
         total = None if match is None or match.group(3) == "*" else int(match.group(3))
         problem = _range_problem(match, requested, sent, validator, total, known_total)
+        if not problem and stop is not None and match is not None and int(match.group(2)) != stop - 1:
+            problem = f"a 206 ending at byte {match.group(2)} for a segment ending at {stop - 1}"
         if problem:
             raw.close()
             raise RangeMismatch(f"{url}: {problem}; starting over without Range")
         assert match is not None
-        return Response(raw, requested, total, validator, end=int(match.group(2)) + 1)
+        return Response(raw, requested, total, validator, end=int(match.group(2)) + 1, ranges=True)
     length = headers.get("Content-Length")
     size = int(length) if length and length.isdigit() else None
-    return Response(raw, 0, size, validator, end=size)
+    ranges = (headers.get("Accept-Ranges") or "").strip().lower() == "bytes"
+    return Response(raw, 0, size, validator, end=size, ranges=ranges)
 
 
 def _range_problem(

@@ -21,6 +21,7 @@ import re
 import stat
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ignite_ext._fs import (
     OWNER,
@@ -36,6 +37,9 @@ from ignite_ext._fs import (
 )
 from ignite_ext.data.download._http import Validator
 from ignite_ext.data.download._verify import CHUNK, hashers
+
+if TYPE_CHECKING:
+    from ignite_ext.data.download._parallel import Segment
 
 __all__ = ["ORPHAN_MAX_AGE_S", "Partial", "claim", "meta_path", "park", "parked_path"]
 
@@ -72,6 +76,8 @@ class Partial:
         self.no_resume = False
         #: Set when the bytes must not be kept for a later call (e.g. the disk filled up while writing them).
         self.discard = False
+        #: ``[start, stop, done]`` of each segment of a parallel fetch in progress (beyond ``size`` is not held).
+        self.segments: list[list[int]] | None = None
         # Never through a link: the path is private, but a shared folder's other users could have put one there.
         self.fd = os.open(path, os.O_RDWR | _NOFOLLOW | getattr(os, "O_BINARY", 0))
         self._hashers = hashers(self.algorithms)
@@ -90,6 +96,7 @@ class Partial:
         self.size = 0
         self.resumed = False
         self._hashers = hashers(self.algorithms)
+        self.segments = None
 
     def append(self, data: bytes) -> None:
         view = memoryview(data)
@@ -108,7 +115,38 @@ class Partial:
     def note_source(self, url: str, validator: Validator, total: int | None) -> None:
         """Record, next to the bytes, which URL and version they belong to (what a later resume needs)."""
         self.url, self.validator, self.total = url, validator, total
-        record = {"url": url, "etag": validator.etag, "last_modified": validator.last_modified, "total": total}
+        self._record()
+
+    def note_segments(self, segments: Sequence[Segment] | None) -> None:
+        """Record how far each segment of a parallel fetch got (a later writer keeps only the complete prefix)."""
+        self.segments = None if segments is None else [[s.start, s.stop, s.done] for s in segments]
+        self._record()
+
+    def absorb(self, start: int, stop: int) -> None:
+        """Take bytes ``start:stop``, written in place by other connections, into the size and the digests."""
+        assert start == self.size, (start, self.size)
+        offset = start
+        while offset < stop:
+            chunk = os.pread(self.fd, min(CHUNK, stop - offset), offset)
+            if not chunk:
+                raise OSError(errno.EIO, f"the temp file ends at byte {offset} of {stop}", str(self.path))
+            self._update(chunk)
+            offset += len(chunk)
+        self.size = stop
+        os.lseek(self.fd, stop, os.SEEK_SET)
+        self.note_segments(None)
+
+    def _record(self) -> None:
+        if self.url is None or self.validator is None:
+            return
+        validator = self.validator
+        record = {
+            "url": self.url,
+            "etag": validator.etag,
+            "last_modified": validator.last_modified,
+            "total": self.total,
+            "segments": self.segments,
+        }
         with contextlib.suppress(OSError):
             write_json(self.meta, {**record, "inode": os.fstat(self.fd).st_ino})
 
@@ -203,6 +241,7 @@ def _adopt(candidate: Path, mine: Path, urls: Sequence[str], algorithms: set[str
     except FileNotFoundError:
         return None
     try:
+        _keep_prefix(mine, record.get("segments"))
         partial = Partial(mine, algorithms, label)  # O_NOFOLLOW: a link swapped in after the check is refused
     except OSError:
         unlink(mine)
@@ -222,6 +261,42 @@ def _adopt(candidate: Path, mine: Path, urls: Sequence[str], algorithms: set[str
     total = record.get("total")
     partial.note_source(record["url"], validator, total if isinstance(total, int) else None)
     return partial
+
+
+def held_prefix(segments: object) -> int | None:
+    """The bytes a parallel fetch's record proves held: up to the first segment not complete (None: no segments).
+
+    Examples:
+        >>> from ignite_ext.data.download._partial import held_prefix
+        >>> held_prefix([[100, 200, 100], [200, 300, 40], [300, 400, 100]])  # the third is complete, not adjacent
+        240
+        >>> held_prefix(None) is None
+        True
+    """
+    if not isinstance(segments, list) or not segments:
+        return None
+    held = None
+    for item in sorted(segments):
+        start, stop, done = (int(v) for v in item)
+        if held is not None and start != held:
+            break
+        held = start + min(max(done, 0), stop - start)
+        if held < stop:
+            break
+    return held
+
+
+def _keep_prefix(path: Path, segments: object) -> None:
+    """Cut an adopted temp file of a parallel fetch back to the bytes its record proves (its holes are zeros)."""
+    held = held_prefix(segments)
+    if held is None:
+        return
+    fd = os.open(path, os.O_RDWR | _NOFOLLOW)
+    try:
+        if os.fstat(fd).st_size > held:
+            os.ftruncate(fd, held)
+    finally:
+        os.close(fd)
 
 
 def park(partial: Partial, target: Path, first_url: str) -> None:

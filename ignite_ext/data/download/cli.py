@@ -59,6 +59,9 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--retries", type=int, default=3, help="further attempts per URL (default: 3)")
     parser.add_argument("--deadline", type=float, help="give up fetching after this many seconds (default: none)")
     parser.add_argument(
+        "--connections", type=int, default=1, help="concurrent range requests for a large file (default: 1)"
+    )
+    parser.add_argument(
         "--max-total-bytes",
         type=int,
         default=DEFAULT_MAX_TOTAL_BYTES,
@@ -118,6 +121,7 @@ def cli(args: argparse.Namespace) -> int:
             timeout=args.timeout,
             retries=args.retries,
             deadline=getattr(args, "deadline", None),
+            connections=getattr(args, "connections", 1),
             max_total_bytes=getattr(args, "max_total_bytes", DEFAULT_MAX_TOTAL_BYTES),
             progress=args.progress,
         )

@@ -48,11 +48,13 @@ from ignite_ext.data.download._failures import forget_failure, raise_shared_fail
 from ignite_ext.data.download._http import (
     FatalHTTPError,
     RangeMismatch,
+    Response,
     RetryableError,
     backoff_delay,
     check_scheme,
     open_range,
 )
+from ignite_ext.data.download._parallel import Segment, fetch_segments, plan_segments
 from ignite_ext.data.download._partial import ORPHAN_MAX_AGE_S, Partial, claim, park
 from ignite_ext.data.download._verify import CHUNK, expected_digests, is_valid, mismatch, remember_digests
 from ignite_ext.data.download.extract import DEFAULT_MAX_TOTAL_BYTES, archive_stem, extract_archive
@@ -77,6 +79,7 @@ class _Job:
     retries: int
     progress: bool
     ends_at: float | None  # time.monotonic() past which this call gives up
+    connections: int = 1
 
     def check_deadline(self, url: str) -> None:
         if self.ends_at is not None and time.monotonic() > self.ends_at:
@@ -99,6 +102,7 @@ def download_url(
     timeout: float = 30.0,
     retries: int = 3,
     deadline: float | None = None,
+    connections: int = 1,
     max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES,
     progress: bool = True,
 ) -> Path:
@@ -129,6 +133,9 @@ def download_url(
             stopped when the server allows it.
         deadline: seconds this process may spend fetching (all attempts and mirrors together, not counting the
             wait for another process's fetch); None: no bound beyond ``timeout`` per read and ``retries``.
+        connections: fetch a large file over this many concurrent range requests (each at least 4 MiB), when
+            the server serves ranges of it and names its version with a strong validator; one stream otherwise.
+            Resume, verification and the atomic publish are the same either way.
         max_total_bytes: with ``extract=True``, the bound on the archive's total uncompressed size.
         progress: show a progress bar (only the process that fetches shows one, and only on a terminal).
 
@@ -163,6 +170,8 @@ def download_url(
         raise ValueError(
             f"need retries >= 0, timeout > 0 and deadline > 0 or None, got {retries=}, {timeout=}, {deadline=}"
         )
+    if isinstance(connections, bool) or not isinstance(connections, int) or not 1 <= connections <= 64:
+        raise ValueError(f"connections must be an int from 1 to 64, got {connections!r}")
     expected = expected_digests(sha256=sha256, md5=md5)
     root_dir = Path(root).expanduser()
     root_dir.mkdir(parents=True, exist_ok=True)
@@ -175,7 +184,7 @@ def download_url(
                     raise_shared_failure(target, urls)
                 ends_at = None if deadline is None else time.monotonic() + deadline
                 try:
-                    _fetch(target, urls, _Job(expected, timeout, retries, progress, ends_at))
+                    _fetch(target, urls, _Job(expected, timeout, retries, progress, ends_at, connections))
                 except DownloadError as exc:
                     share_failure(target, urls, exc)
                     raise
@@ -306,6 +315,21 @@ def _transfer(url: str, partial: Partial, target: Path, job: _Job) -> None:
             return
         _check_space(url, target, (response.end or 0) - partial.size)
         with _progress_bar(job.progress, response.total, partial.size, partial.label) as bar:
+            segments = _segments(response, partial, job)
+            if segments is not None:
+                logger.info("fetching %s over %d connections", url, len(segments))
+                fetch_segments(
+                    url,
+                    partial,
+                    response.body,
+                    segments,
+                    response.validator,
+                    timeout=job.timeout,
+                    retries=job.retries,
+                    on_bytes=bar.update,
+                    check_deadline=lambda: job.check_deadline(url),
+                )
+                return
             while chunk := _read(response.body, url):
                 partial.append(chunk)
                 bar.update(len(chunk))
@@ -313,6 +337,16 @@ def _transfer(url: str, partial: Partial, target: Path, job: _Job) -> None:
     expected_end = response.end if response.end is not None else response.total
     if expected_end is not None and partial.size != expected_end:
         raise RetryableError(f"{url}: connection closed after {partial.size} of {expected_end} bytes")
+
+
+def _segments(response: Response, partial: Partial, job: _Job) -> list[Segment] | None:
+    """The segments of a parallel fetch of the rest of ``response``, or None to stream it."""
+    if job.connections < 2 or partial.no_resume or not response.ranges or response.total is None:
+        return None
+    if response.validator.if_range is None or response.end != response.total:
+        return None  # no strong validator: segments could come from several versions of the file
+    segments = plan_segments(partial.size, response.total, job.connections)
+    return segments if len(segments) > 1 else None
 
 
 def _check_space(url: str, target: Path, needed: int) -> None:
