@@ -375,19 +375,25 @@ def _read(body: IO[bytes], url: str) -> bytes:
         raise RetryableError(f"{url}: {type(exc).__name__}: {exc}") from exc
 
 
-def _progress_bar(enabled: bool, total: int | None, initial: int, label: str) -> Any:
-    from tqdm.auto import tqdm  # only the fetching process shows a bar: the others need not import it
+class _NoBar:
+    """What the progress bar is where none is shown (tqdm is not even imported then)."""
 
-    return tqdm(
-        total=total,
-        initial=initial,
-        unit="B",
-        unit_scale=True,
-        unit_divisor=1024,
-        desc=label,
-        disable=not (enabled and sys.stderr.isatty()),
-        leave=False,
-    )
+    def __enter__(self) -> _NoBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def update(self, n: int) -> None:
+        """Nothing to show."""
+
+
+def _progress_bar(enabled: bool, total: int | None, initial: int, label: str) -> Any:
+    if not (enabled and sys.stderr.isatty()):  # a job log gets no carriage returns
+        return _NoBar()
+    from tqdm.auto import tqdm  # only a process that shows a bar imports it
+
+    return tqdm(total=total, initial=initial, unit="B", unit_scale=True, unit_divisor=1024, desc=label, leave=False)
 
 
 def _publish(partial: Partial, target: Path) -> None:
