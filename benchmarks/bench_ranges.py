@@ -21,7 +21,6 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 from pathlib import Path
 from typing import Any
 
@@ -100,7 +99,6 @@ def run(quick: bool = False) -> dict[str, Any]:
             ("torchvision download_url", peers_python, "torchvision"),
             ("pooch retrieve", peers_python, "pooch"),
         ]
-    start = time.monotonic()
     times: dict[str, list[float]] = {label: [] for label, _, _ in methods}
     with TestHTTPServer(conn_bps=CONN_MBPS * _MB) as server:
         url = server.add("/f.bin", data)
@@ -125,7 +123,6 @@ def run(quick: bool = False) -> dict[str, Any]:
         f"Speed-up over one connection: 4 connections {four}x (goal >= 3.5x), 8 connections {eight}x; "
         f"single-stream peers: {peers}."
         + ("" if peers_python else f" torchvision and pooch left out: {why_not}.")
-        + f" ({'quick' if quick else 'full'} run, {time.monotonic() - start:.1f} s)"
     )
     return {
         "name": NAME,

@@ -21,3 +21,20 @@ def test_benchmark_contract_and_bytes_served(monkeypatch: pytest.MonkeyPatch) ->
     assert ours["method"] == "ignite_ext download_url"
     assert ours["bytes_served_x"] == 1.0 and ours["failed_processes"] == 0 and ours["final_file_ok"]
     assert [p["bytes_served_x"] for p in peers] == [3.0, 3.0]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(1800)
+def test_ranges_benchmark_contract(monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchmarks import bench_ranges
+
+    monkeypatch.setitem(bench_ranges.SIZES_MB, "quick", 10)
+    monkeypatch.setattr(bench_ranges, "REPEATS", 1)
+    monkeypatch.setattr(bench_ranges, "CONN_MBPS", 40)
+    result = bench_ranges.run(quick=True)
+    assert bench_ranges.NAME == "ranges"
+    assert {"title", "machine", "rows", "summary", "plot"} <= set(result)
+    rows = {r["method"]: r for r in result["rows"]}
+    assert {result["plot"]["x"], *result["plot"]["y"]} <= set(result["rows"][0])
+    assert rows["ignite_ext download_url, 1 connection"]["speed-up vs 1 connection"] == 1.0
+    assert "torch.hub download_url_to_file" in rows  # every peer verified what it fetched (the run asserts it)
