@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from ignite_ext.__main__ import main
-from ignite_ext.data import ArchiveError, extract_archive
+from ignite_ext.data import ArchiveError, download_url, extract_archive
 from ignite_ext.data.download._members import MAX_DEPTH
 
 
@@ -186,3 +186,18 @@ def test_cli_prints_one_line_not_a_traceback_for_a_refused_archive(
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert status == 1 and "Traceback" not in err and len(errors) == 1, err
     assert errors[0].startswith("error: ArchiveError:") and err.endswith(errors[0] + "\n")
+
+
+def test_the_archive_size_cap_reaches_extraction_from_download_url_and_the_cli(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "src").mkdir()
+    archive = make_tar(tmp_path / "src" / "big.tar", member("big.bin", data=b"x" * 10_000))
+    with pytest.raises(ArchiveError, match="more than 5000 bytes"):
+        download_url(archive.as_uri(), tmp_path / "a", extract=True, max_total_bytes=5000, progress=False)
+    args = ["download", archive.as_uri(), "--root", str(tmp_path / "b"), "--extract", "--max-total-bytes", "5000"]
+    assert main([*args, "--quiet"]) == 1
+    assert "more than 5000 bytes" in capsys.readouterr().err
+    assert (
+        download_url(archive.as_uri(), tmp_path / "c", extract=True, progress=False) / "big.bin"
+    ).stat().st_size == 10_000
