@@ -121,8 +121,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     summary = (
         f"One {size // _MB} MB file from a loopback server pacing each connection to {CONN_MBPS} MB/s. "
         f"Speed-up over one connection: 4 connections {four}x (goal >= 3.5x), 8 connections {eight}x; "
-        f"single-stream peers: {peers}."
-        + ("" if peers_python else f" torchvision and pooch left out: {why_not}.")
+        f"single-stream peers: {peers}." + ("" if peers_python else f" torchvision and pooch left out: {why_not}.")
     )
     return {
         "name": NAME,

@@ -18,6 +18,10 @@ Every key lives under ``ignite_ext/``; this module is the only place that spells
     ignite_ext/sched/<seq>/nfail         failing ranks (add)     by rank 0, idem                  counter
     ignite_ext/sched/<seq>/fail/<i>      the i-th failing rank   by that rank, idem               failures JSON
     ignite_ext/sched/<seq>/acks          every rank but 0 (add)  by rank 0, idem                  counter
+    ignite_ext/sched/<seq>/acked         the last rank to ack    by rank 0, idem                  "1"
+    ignite_ext/sched/<seq>/wake/<rank>   whoever completes what  by rank, idem                    "w"/"t"
+                                         rank waits for, or its
+                                         heartbeat at a slice end
 
 A block's keys are deleted only once the next block's verdict is known: rank 0 judges block ``seq + 1`` only after
 every rank entered it, which proves every rank left block ``seq``. So at most two blocks' keys exist at a time.
@@ -64,7 +68,7 @@ class BlockKeys:
         >>> keys.outcome(2), keys.exits
         ('ignite_ext/sched/7/out/2', 'ignite_ext/sched/7/exits')
         >>> len(keys.deleted_by(0)), len(keys.deleted_by(1))
-        (7, 2)
+        (9, 3)
 
     .. versionadded:: 0.2.0
     """
@@ -77,6 +81,7 @@ class BlockKeys:
         self.exits = f"{self.prefix}/exits"
         self.nfail = f"{self.prefix}/nfail"
         self.acks = f"{self.prefix}/acks"
+        self.acked = f"{self.prefix}/acked"
 
     def entry(self, rank: int) -> str:
         """What ``rank`` passed on entering, for rank 0 to judge."""
@@ -90,10 +95,15 @@ class BlockKeys:
         """The details of the ``index``-th failing rank (1-based, in the order they failed)."""
         return f"{self.prefix}/fail/{index}"
 
+    def wake(self, rank: int) -> str:
+        """The key ``rank`` blocks on while it waits; set by whoever completes what it waits for."""
+        return f"{self.prefix}/wake/{rank}"
+
     def deleted_by(self, rank: int) -> list[str]:
         """The keys of this block that ``rank`` deletes (its ``fail/<i>`` keys aside, which only it knows of)."""
-        own = [self.outcome(rank), self.entry(rank)]
-        return [*own, self.exits, self.nfail, self.acks, self.entered, self.verdict] if rank == 0 else own
+        own = [self.outcome(rank), self.entry(rank), self.wake(rank)]
+        shared = [self.exits, self.nfail, self.acks, self.acked, self.entered, self.verdict]
+        return [*own, *shared] if rank == 0 else own
 
 
 def default_store() -> Store | None:

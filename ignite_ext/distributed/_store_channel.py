@@ -2,17 +2,44 @@
 
 See :mod:`ignite_ext.distributed._channel` for the protocol and :mod:`ignite_ext.distributed._store` for the keys.
 
+**No polling.** A waiting rank blocks in one server-side ``store.wait`` on its own wake key
+(``.../wake/<rank>``). Whoever completes what it waits for sets that key: the rank whose ``add`` makes every rank
+entered (rank 0's key), rank 0 posting the verdict (every other rank's keys, one ``multi_set``), a rank posting
+its outcome (the keys of the ranks whose turn comes after it), the rank whose exit makes every rank left (every
+key). Its own heartbeat thread sets it too, once a slice (about a third of the heartbeat timeout, with jitter) is
+over, so that the waiter checks its timeout, logs, and checks that its ring successor is alive. A waiter always
+reads its condition after deleting its wake key, so no wake-up is ever lost. A wait therefore costs a few requests
+per slice whatever its length, and a waiter is told within a fraction of a millisecond.
+
+**Liveness.** Every process beats ``ignite_ext/hb/<rank>`` from a daemon thread on its own store client (a blocked
+``wait`` holds its client's lock), every sixth of the heartbeat timeout ``T``. A beat writes ``<count>|<count of
+the successor>``: the beat number, and the beat number of rank ``rank + 1`` as last seen. Each waiting rank
+watches its ring successor (one read per slice): ``T`` seconds without a change and it is declared dead, exactly
+once (``compare_set`` of its outcome), and so is every rank after it whose beat has not moved since the dead rank
+last saw it, at once, in one pass (a lost node's ranks are all reported together, not one timeout each). A rank
+is only mistaken for dead when its beat thread cannot run for ``5/6 T`` (25 s at the default): CPython hands the
+GIL to another thread every 5 ms unless a C extension holds it that long. A rank that never beat (it has not
+used a scheduler yet) cannot be told dead from late, and is not declared.
+
+**Cost** per rank and block, nothing failing: about 10 requests plus 4 per slice waited (see the scheduling guide);
+per beat 2 requests; rank 0 additionally reads the N entries (one ``multi_get``) and wakes the others (one
+``multi_set``).
+
 .. versionadded:: 0.2.0
 """
 
 from __future__ import annotations
 
 import atexit
+import random
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
+from datetime import timedelta
 from typing import TypeVar
+
+import torch.distributed
 
 from ignite_ext.distributed._channel import (
     Channel,
@@ -24,80 +51,144 @@ from ignite_ext.distributed._channel import (
 )
 from ignite_ext.distributed._state import GroupState
 from ignite_ext.distributed._store import BlockKeys, Store, heartbeat_key, put, put_once, read
+from ignite_ext.distributed.policies import Plan
 from ignite_ext.errors import RankDiedError, RankFailedError, RankFailure, StoreLostError
 
-__all__ = ["StoreChannel"]
+__all__ = ["StoreChannel", "slice_seconds"]
 
 T = TypeVar("T")
 
 # The exc_type of a dead rank's failure: the error it raises itself if it is still alive to learn of it.
 _DIED = RankDiedError.__name__
+# A verdict that is not the judge's but a death at the entry: every rank raises it.
+_DEATH_VERDICT = b"D\n"
+
+
+def slice_seconds() -> float:
+    """How long one wait lasts before the waiter checks its timeout and its successor (with 10 % jitter).
+
+    Examples:
+        >>> import os
+        >>> from ignite_ext.distributed._store_channel import slice_seconds
+        >>> os.environ["IGNITE_EXT_HEARTBEAT_TIMEOUT"] = "30"
+        >>> 9.0 <= slice_seconds() <= 11.0
+        True
+        >>> del os.environ["IGNITE_EXT_HEARTBEAT_TIMEOUT"]
+    """
+    # Many waits expiring together return late on the libuv server: spread them.
+    return max(0.05, min(log_interval(), heartbeat_timeout() / 3)) * random.uniform(0.9, 1.1)
+
+
+def _clone(store: Store) -> Store:
+    try:
+        return store.clone()  # type: ignore[attr-defined,no-any-return]
+    except (AttributeError, RuntimeError):  # a store that cannot be cloned (HashStore): share it
+        return store
+
+
+def _count(beat: bytes | None) -> bytes | None:
+    return None if beat is None else beat.split(b"|", 1)[0]
+
+
+def _seen_successor(beat: bytes | None) -> bytes | None:
+    return None if beat is None or b"|" not in beat else beat.split(b"|", 1)[1]
 
 
 class _Heartbeat:
-    """One daemon thread per process and store: bumps ``ignite_ext/hb/<rank>`` and runs deferred deletions."""
+    """One daemon thread per process and store, on its own client: beats, wakes waiters at slice ends, deletes keys."""
 
     _instances: weakref.WeakKeyDictionary[Store, _Heartbeat] = weakref.WeakKeyDictionary()
     _guard = threading.Lock()
 
-    def __init__(self, store: Store, rank: int) -> None:
+    def __init__(self, store: Store, rank: int, world_size: int) -> None:
         self._store = weakref.ref(store)
-        self._rank = rank
+        self._client = _clone(store)
+        self._rank, self._successor = rank, (rank + 1) % world_size
+        self._count = 0
         self._pending: list[str] = []
+        self._ticks: dict[str, float] = {}  # wake key -> when to set it
+        self._lock = threading.Lock()
         self._wake = threading.Event()
         self._beat()
         threading.Thread(target=self._run, name="ignite_ext-heartbeat", daemon=True).start()
 
     @classmethod
-    def ensure(cls, store: Store, rank: int) -> _Heartbeat:
+    def ensure(cls, store: Store, rank: int, world_size: int) -> _Heartbeat:
         with cls._guard:
             hb = cls._instances.get(store)
             if hb is None:
-                hb = cls._instances[store] = cls(store, rank)
+                hb = cls._instances[store] = cls(store, rank, world_size)
             return hb
 
     def delete_later(self, keys: Iterable[str]) -> None:
-        self._pending.extend(keys)
+        with self._lock:
+            self._pending.extend(keys)
+
+    def tick(self, key: str, seconds: float) -> None:
+        """Set ``key`` in ``seconds`` (ends the caller's slice), unless :meth:`untick` comes first."""
+        with self._lock:
+            self._ticks[key] = time.monotonic() + seconds
+        self._wake.set()
+
+    def untick(self, key: str) -> None:
+        with self._lock:
+            self._ticks.pop(key, None)
 
     def _beat(self) -> bool:
-        store = self._store()
-        if store is None:
+        if self._store() is None:
             return False
-        store.add(heartbeat_key(self._rank), 1)
+        client = self._client
+        self._count += 1
+        seen = _count(read(client, heartbeat_key(self._successor))) or b"-"
+        put(client, heartbeat_key(self._rank), b"%d|%s" % (self._count, seen))
         _Lingering.release()
-        while self._pending:
-            store.delete_key(self._pending.pop())
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for key in pending:
+            client.delete_key(key)
         return True
 
+    def _fire_ticks(self) -> float:
+        """Set the wake keys whose time has come; return the seconds until the next one."""
+        now = time.monotonic()
+        with self._lock:  # under the lock: an untick()ed key is never set afterwards
+            due = [key for key, at in self._ticks.items() if at <= now]
+            for key in due:
+                del self._ticks[key]
+                put(self._client, key, b"t")
+            upcoming = min(self._ticks.values(), default=now + 3600.0)
+        return max(0.0, upcoming - now)
+
     def _run(self) -> None:
+        every = max(0.05, heartbeat_timeout() / 6)
+        next_beat = time.monotonic() + every
         while True:
-            self._wake.wait(max(0.05, heartbeat_timeout() / 6))
             try:
-                if not self._beat():
-                    return
+                until_tick = self._fire_ticks()
+                wait = min(until_tick, max(0.0, next_beat - time.monotonic()))
+                self._wake.wait(wait)
+                self._wake.clear()
+                if time.monotonic() >= next_beat:
+                    if not self._beat():
+                        return
+                    next_beat = time.monotonic() + every
             except Exception:
                 return  # the store is gone (process group destroyed or its host died): nothing left to beat
 
 
 class _Watch:
-    """Tracks one peer's heartbeat counter by this rank's own clock (no clock skew between hosts)."""
+    """This rank's view of one peer's heartbeat, by this rank's own clock (no clock skew between hosts)."""
 
-    def __init__(self, store: Store, rank: int) -> None:
-        self.store, self.rank = store, rank
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
         self.value: bytes | None = None
         self.since = time.monotonic()
-        self.next_check = self.since
 
-    def stale(self) -> bool:
-        now = time.monotonic()
-        if now < self.next_check:
-            return False
-        self.next_check = now + 0.5
-        key = heartbeat_key(self.rank)
-        value = self.store.get(key) if self.store.check([key]) else None
+    def observe(self, value: bytes | None, now: float) -> float:
+        """Record ``value``; return for how long it has not changed (0 when it just did)."""
         if value != self.value:
             self.value, self.since = value, now
-        return now - self.since > heartbeat_timeout()
+        return now - self.since
 
 
 class _Lingering:
@@ -105,16 +196,16 @@ class _Lingering:
 
     Under ``env://`` launches the store lives in rank 0's process: if rank 0 ended its process right after
     a block, the others could lose the store while reading the outcome. Rather than make every block wait,
-    rank 0 keeps the store alive and, at interpreter exit, waits (bounded) until the others acknowledged.
-    The next block needs nothing: its entry collective proves everyone finished the previous one.
+    rank 0 keeps the store alive and, at interpreter exit, waits (bounded, on one key) until the others
+    acknowledged. The next block needs nothing: its entry proves everyone finished the previous one.
     """
 
-    pending: tuple[Store, str, int] | None = None
+    pending: tuple[Store, BlockKeys, int] | None = None
     registered = False
 
     @classmethod
-    def hold(cls, store: Store, acks_key: str, expected: int) -> None:
-        cls.pending = (store, acks_key, expected)
+    def hold(cls, store: Store, keys: BlockKeys, expected: int) -> None:
+        cls.pending = (store, keys, expected)
         if not cls.registered:
             atexit.register(cls.drain)
             cls.registered = True
@@ -128,9 +219,9 @@ class _Lingering:
         pending = cls.pending
         if pending is None:
             return
-        held, key, expected = pending
+        held, keys, _ = pending
         try:
-            if held is store or int(held.add(key, 0)) >= expected:
+            if held is store or held.check([keys.acked]):
                 cls.pending = None
         except Exception:
             cls.pending = None  # the store is gone: nothing left to protect
@@ -140,23 +231,11 @@ class _Lingering:
         pending, cls.pending = cls.pending, None
         if pending is None:
             return
-        store, key, expected = pending
-        end = time.monotonic() + heartbeat_timeout()
+        store, keys, _ = pending
         try:
-            while int(store.add(key, 0)) < expected and time.monotonic() < end:
-                time.sleep(0.005)
+            store.wait([keys.acked], timedelta(seconds=heartbeat_timeout()))
         except Exception:
-            return  # the others are gone already
-
-
-def _backoff(waited: float) -> float:
-    # Short waits (an empty block) are answered within a fraction of a millisecond; long ones (a download)
-    # poll gently.
-    if waited < 0.01:
-        return 0.0001
-    if waited < 0.2:
-        return 0.0005
-    return 0.02 if waited < 5.0 else 0.1
+            return  # the others are gone already, or did not answer in time
 
 
 class StoreChannel(Channel):
@@ -174,10 +253,121 @@ class StoreChannel(Channel):
         super().__init__(rank, world_size, label, timeout)
         self.store = store
         self.keys = BlockKeys(seq)
-        self._ring = rank + 1
         self.seq = seq
         self.state = state
-        self.heartbeat = self._guarded(lambda: _Heartbeat.ensure(store, rank))
+        self.heartbeat = self._guarded(lambda: _Heartbeat.ensure(store, rank, world_size))
+        # Blocking waits hold a client's lock: this thread's own client, so other threads' store calls never wait.
+        self.client = self._guarded(lambda: _client_of_this_thread(store))
+        default = getattr(store, "timeout", None)
+        if isinstance(default, timedelta):  # an earlier block with timeout= may have shortened this client's
+            self.client.set_timeout(default)
+        self.dead: set[int] = set()  # ranks this rank knows died in this block
+        self._watch: _Watch | None = None
+        self._dependents: list[list[int]] = [[] for _ in range(world_size)]
+        self._started = time.monotonic()
+
+    def start(self, plan: Plan) -> None:
+        super().start(plan)
+        for r, turn in enumerate(plan.turns):
+            for peer in turn.after:
+                self._dependents[peer].append(r)
+
+    # --- waking and waiting ------------------------------------------------------------------------------------
+
+    def _wake(self, ranks: Iterable[int]) -> None:
+        keys = [self.keys.wake(r) for r in ranks if r != self.rank]
+        if keys:  # one request for all of them (torch's stub does not list multi_set; every c10d store has it)
+            self.client.multi_set(keys, ["w"] * len(keys))  # type: ignore[attr-defined]
+
+    def _wake_all(self) -> None:
+        self._wake(range(self.world_size))
+
+    def _bounded(self) -> float | None:
+        """Seconds left of ``timeout``; also bounds this thread's store calls by them (a paused store host)."""
+        if self.timeout is None:
+            return None
+        left = self.timeout - (time.monotonic() - self._started)
+        self.client.set_timeout(timedelta(seconds=max(0.5, left + 1.0)))
+        return left
+
+    def _wait(self, ready: Callable[[], T | None], what: str) -> T:
+        """Block until ``ready`` returns a value; one store wait per slice; liveness between slices; time out."""
+        start = time.monotonic()
+        next_log = start + log_interval()
+        wake = self.keys.wake(self.rank)
+        while (value := ready()) is None:
+            now = time.monotonic()
+            left = self._bounded()
+            if left is not None and left <= 0:
+                raise TimeoutError(f"rank {self.rank} waited {now - start:.0f} s for {what} ({self.label})")
+            if now >= next_log:
+                log().info("rank %d has waited %.0f s for %s (%s)", self.rank, now - start, what, self.label)
+                next_log = now + log_interval()
+            # A slice ends at the latest when the next log line or the timeout is due.
+            seconds = min(slice_seconds(), max(0.01, next_log - time.monotonic()), max(0.01, left or float("inf")))
+            self.heartbeat.tick(wake, seconds)
+            try:
+                self.client.wait([wake], timedelta(seconds=seconds + max(5.0, seconds)))
+            except torch.distributed.DistStoreError as exc:
+                if "timeout" not in str(exc).lower():
+                    raise
+                # The tick did not come (the heartbeat thread is gone): a slice all the same.
+            finally:
+                self.heartbeat.untick(wake)
+            self.client.delete_key(wake)
+            self._check_successor()
+        return value
+
+    # --- liveness ------------------------------------------------------------------------------------------------
+
+    def _next(self, rank: int) -> int:
+        return (rank + 1) % self.world_size
+
+    def _check_successor(self) -> None:
+        """Read the ring successor's beat; declare it, and the dead run of ranks after it, dead after ``T``."""
+        succ = self._next(self.rank)
+        while succ in self.dead and succ != self.rank:
+            succ = self._next(succ)
+        if succ == self.rank:
+            return
+        watch = self._watch if self._watch is not None and self._watch.rank == succ else _Watch(succ)
+        self._watch = watch
+        beat = read(self.client, heartbeat_key(succ))
+        silent = watch.observe(beat, time.monotonic())
+        if beat is None or silent <= heartbeat_timeout():
+            return  # alive, or never beat (not started yet: cannot be told from late)
+        victims, last = [succ], beat
+        nxt = self._next(succ)
+        while nxt != self.rank and nxt not in self.dead:
+            # The dead rank's last beat says how far its successor had beaten; unchanged since, it died too.
+            now_beat = read(self.client, heartbeat_key(nxt))
+            if now_beat is None or _count(now_beat) != _seen_successor(last):
+                break
+            victims.append(nxt)
+            last, nxt = now_beat, self._next(nxt)
+        for victim in victims:
+            self._declare_dead(victim, silent)
+
+    def _declare_dead(self, peer: int, silent_for: float) -> None:
+        self.dead.add(peer)
+        # The noticing rank is part of the message so that two ranks declaring the same death write different
+        # payloads, and compare_set tells exactly one of them that it won.
+        failure = RankFailure(
+            peer, _DIED, f"no heartbeat for {silent_for:.0f} s, noticed by rank {self.rank} (killed or hung)", died=True
+        )
+        if not self.plan.turns:  # still at the entry: nobody has run anything, so everyone just stops
+            if put_once(self.client, self.keys.verdict, _DEATH_VERDICT + encode_failures([failure])):
+                log().warning("rank %d: declaring rank %d dead at the entry (%s)", self.rank, peer, failure.message)
+                self._wake_all()
+            return
+        if put_once(self.client, self.keys.outcome(peer), encode_failures([failure])):
+            log().warning("rank %d: declaring rank %d dead (%s)", self.rank, peer, failure.message)
+            self._record_exit([failure])
+            self._wake(self._dependents[peer])
+            if peer != 0:
+                self._ack()
+
+    # --- the protocol --------------------------------------------------------------------------------------------
 
     def _forget(self, mark: int) -> None:
         # Every rank has left every block below ``mark`` (the verdict's lowest low-water mark): nobody reads
@@ -198,77 +388,51 @@ class StoreChannel(Channel):
             return b"%d\n" % min(int(m) for m in marks) + judge(list(payloads))
 
         marked = b"%d\n" % self.state.low_water + mine
-        mark, verdict = self._guarded(lambda: self._exchange(marked, judge_marked)).split(b"\n", 1)
+        verdict = self._guarded(lambda: self._exchange(marked, judge_marked))
+        if verdict.startswith(_DEATH_VERDICT):
+            raise RankFailedError(
+                decode_failures(verdict[len(_DEATH_VERDICT) :]), f"rank {self.rank} waiting at the entry ({self.label})"
+            )
+        mark, verdict = verdict.split(b"\n", 1)
         self._forget(int(mark))
         return verdict
 
     def _exchange(self, mine: bytes, judge: Callable[[list[bytes]], bytes]) -> bytes:
-        put(self.store, self.keys.entry(self.rank), mine)
-        entered = self.store.add(self.keys.entered, 1)
-        verdict_key = self.keys.verdict
+        client, keys = self.client, self.keys
+        put(client, keys.entry(self.rank), mine)
+        if client.add(keys.entered, 1) == self.world_size and self.rank != 0:
+            self._wake([0])
         if self.rank != 0:
-            return self._wait(lambda: self._read(verdict_key), lambda: [0], "rank 0 to check the arguments")
-        if entered < self.world_size:
-            self._wait(self._all_entered, self._not_entered, "every rank to enter")
-        keys = [self.keys.entry(r) for r in range(self.world_size)]
-        verdict = judge([bytes(v) for v in self.store.multi_get(keys)])
-        put(self.store, verdict_key, verdict)
+            return self._wait(lambda: read(client, keys.verdict), "rank 0 to check the arguments")
+
+        def entered_or_dead() -> bytes | None:
+            verdict = read(client, keys.verdict)  # a death at the entry, posted by whoever noticed it
+            if verdict is not None:
+                return verdict
+            return b"" if int(client.add(keys.entered, 0)) >= self.world_size else None
+
+        posted = self._wait(entered_or_dead, "every rank to enter")
+        if posted:
+            return posted
+        verdict = judge([bytes(v) for v in client.multi_get([keys.entry(r) for r in range(self.world_size)])])
+        if not put_once(client, keys.verdict, verdict):
+            return bytes(client.get(keys.verdict))  # a death was posted meanwhile: it wins
+        self._wake_all()
         return verdict
 
-    def _all_entered(self) -> bool | None:
-        return True if int(self.store.add(self.keys.entered, 0)) >= self.world_size else None
-
-    def _not_entered(self) -> list[int]:
-        # Only ranks that have a heartbeat (they used a scheduler before) can be told dead from merely late.
-        missing = [r for r in range(self.world_size) if not self.store.check([self.keys.entry(r)])]
-        return [r for r in missing if self.store.check([heartbeat_key(r)])]
-
-    def _read(self, key: str) -> bytes | None:
-        return read(self.store, key)
-
-    def _wait(self, poll: Callable[[], T | None], suspects: Callable[[], list[int]], what: str) -> T:
-        """Poll until ``poll`` returns a value; declare dead suspects whose heartbeat stopped; log; time out."""
-        start = time.monotonic()
-        next_log = start + log_interval()
-        watches: dict[int, _Watch] = {}
-        while (value := poll()) is None:
-            now = time.monotonic()
-            waited = now - start
-            if self.timeout is not None and waited > self.timeout:
-                raise TimeoutError(f"rank {self.rank} waited {waited:.0f} s for {what} ({self.label})")
-            if now >= next_log:
-                log().info("rank %d has waited %.0f s for %s (%s)", self.rank, waited, what, self.label)
-                next_log = now + log_interval()
-            for peer in suspects() if waited > 0.2 else []:
-                watch = watches.setdefault(peer, _Watch(self.store, peer))
-                if watch.stale():
-                    self._declare_dead(peer, now - watch.since)
-            time.sleep(_backoff(waited))
-        return value
-
-    def _declare_dead(self, peer: int, silent_for: float) -> None:
-        if not self.plan.turns:  # still at the entry: nobody has run anything, so everyone just stops
-            raise RankFailedError(
-                [RankFailure(peer, _DIED, f"no heartbeat for {silent_for:.0f} s before entering", died=True)],
-                f"rank {self.rank} waiting at the entry ({self.label})",
-            )
-        # The noticing rank is part of the message so that two ranks declaring the same death write different
-        # payloads, and compare_set tells exactly one of them that it won.
-        failure = RankFailure(
-            peer, _DIED, f"no heartbeat for {silent_for:.0f} s, noticed by rank {self.rank} (killed or hung)", died=True
-        )
-        if put_once(self.store, self.keys.outcome(peer), encode_failures([failure])):
-            log().warning("rank %d: declaring rank %d dead (%s)", self.rank, peer, failure.message)
-            self._record_exit([failure])
-            if peer != 0:
-                self.store.add(self.keys.acks, 1)
-
     def _record_exit(self, own: list[RankFailure]) -> None:
+        client, keys = self.client, self.keys
         if own:
-            index = self.store.add(self.keys.nfail, 1)
-            put(self.store, self.keys.fail(index), encode_failures(own))
-            self.state.carried.setdefault(self.seq, []).append(self.keys.fail(index))
-        self.store.add(self.keys.exits, 1 + (self.world_size + 1) * bool(own))
+            index = client.add(keys.nfail, 1)
+            put(client, keys.fail(index), encode_failures(own))
+            self.state.carried.setdefault(self.seq, []).append(keys.fail(index))
+        exits = client.add(keys.exits, 1 + (self.world_size + 1) * bool(own))
+        if exits % (self.world_size + 1) == self.world_size:
+            self._wake_all()  # every rank has left: the ones waiting in leave go on
+
+    def _ack(self) -> None:
+        if self.client.add(self.keys.acks, 1) == self.world_size - 1:
+            put(self.client, self.keys.acked, b"1")
 
     def wait_turn(self) -> list[RankFailure]:
         return self._guarded(self._wait_turn)
@@ -280,43 +444,32 @@ class StoreChannel(Channel):
         inherited: list[RankFailure] = []
         for peer in sorted(self.plan.turns[self.rank].after):
             key = self.keys.outcome(peer)
-            outcome = self._wait(lambda k=key: self._read(k), lambda p=peer: [p], f"rank {peer}")  # type: ignore[misc]
+            outcome = self._wait(lambda k=key: read(self.client, k), f"rank {peer}")  # type: ignore[misc]
             inherited += decode_failures(outcome)
         return sorted(set(inherited), key=lambda f: f.rank)
 
     def _leave(self, own: list[RankFailure], inherited: list[RankFailure], linger: bool) -> list[RankFailure]:
-        if not put_once(self.store, self.keys.outcome(self.rank), encode_failures(own or inherited)):
+        if not put_once(self.client, self.keys.outcome(self.rank), encode_failures(own or inherited)):
             raise RankDiedError(
                 [RankFailure(self.rank, _DIED, "declared dead by its peers after its heartbeat stopped", died=True)],
                 f"rank {self.rank}",
             )
         self._record_exit(own)
+        self._wake(self._dependents[self.rank])
         found = own + inherited
         if not found:
-            exits = self._wait(self._everyone_left, self._next_unexited, "every rank to finish")
+            exits = self._wait(self._everyone_left, "every rank to finish")
             for i in range(1, exits // (self.world_size + 1) + 1):
-                found += decode_failures(self.store.get(self.keys.fail(i)))
+                found += decode_failures(self.client.get(self.keys.fail(i)))
         if self.rank != 0:
-            self.store.add(self.keys.acks, 1)
+            self._ack()
         elif linger:
-            _Lingering.hold(self.store, self.keys.acks, self.world_size - 1)
+            _Lingering.hold(self.store, self.keys, self.world_size - 1)
         return sorted(found, key=lambda f: f.rank)
 
     def _everyone_left(self) -> int | None:
-        exits = int(self.store.add(self.keys.exits, 0))
+        exits = int(self.client.add(self.keys.exits, 0))
         return exits if exits % (self.world_size + 1) == self.world_size else None
-
-    def _next_unexited(self) -> list[int]:
-        # Each waiter watches the first rank after it (cyclically) that has not left yet: every live waiter
-        # covers a different stretch of the ring, so a dead rank is noticed without everyone polling everyone.
-        for step in range(self.world_size - 1):
-            peer = (self._ring + step) % self.world_size
-            if peer == self.rank:
-                break
-            if self._read(self.keys.outcome(peer)) is None:
-                self._ring = peer
-                return [peer]
-        return []
 
     def _guarded(self, fn: Callable[[], T]) -> T:
         try:
@@ -327,6 +480,19 @@ class StoreChannel(Channel):
             cause = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             raise StoreLostError(
                 cause,
-                f"rank {self.rank} waiting ({self.label}); the process hosting the store (rank 0's under env:// "
-                "launches) has exited or its host is unreachable",
+                f"rank {self.rank} waiting ({self.label}); the store did not answer: the process hosting it (rank "
+                "0's under env:// launches) has exited, or its host is paused or unreachable",
             ) from exc
+
+
+_THREAD_CLIENTS = threading.local()
+
+
+def _client_of_this_thread(store: Store) -> Store:
+    clients: weakref.WeakKeyDictionary[Store, Store] | None = getattr(_THREAD_CLIENTS, "clients", None)
+    if clients is None:
+        clients = _THREAD_CLIENTS.clients = weakref.WeakKeyDictionary()
+    client = clients.get(store)
+    if client is None:
+        client = clients[store] = _clone(store)
+    return client
