@@ -14,9 +14,10 @@ per slice whatever its length, and a waiter is told within a fraction of a milli
 **Liveness.** Every process beats ``ignite_ext/hb/<rank>`` from a daemon thread on its own store client (a blocked
 ``wait`` holds its client's lock), every sixth of the heartbeat timeout ``T``. A beat writes ``<count>|<count of
 the successor>``: the beat number, and the beat number of rank ``rank + 1`` as last seen. Each waiting rank
-watches its ring successor (one read per slice): ``T`` seconds without a change and it is declared dead, exactly
-once (``compare_set`` of its outcome), and so is every rank after it whose beat has not moved since the dead rank
-last saw it, at once, in one pass (a lost node's ranks are all reported together, not one timeout each). A rank
+watches its ring successor (one read when a wait starts, then one per slice): ``T`` seconds without a change and
+it is declared dead, exactly once (``compare_set`` of its outcome), and so is every rank after it that beat at
+most twice after the dead rank last saw it (alive, it would have beaten about six times since), at once, in one pass:
+a lost node's ranks are all reported within about ``4/3 T``, not one timeout each. A rank
 is only mistaken for dead when its beat thread cannot run for ``5/6 T`` (25 s at the default): CPython hands the
 GIL to another thread every 5 ms unless a C extension holds it that long. A rank that never beat (it has not
 used a scheduler yet) cannot be told dead from late, and is not declared.
@@ -90,8 +91,13 @@ def _count(beat: bytes | None) -> bytes | None:
     return None if beat is None else beat.split(b"|", 1)[0]
 
 
-def _seen_successor(beat: bytes | None) -> bytes | None:
-    return None if beat is None or b"|" not in beat else beat.split(b"|", 1)[1]
+def _stopped_with(beat: bytes, dead: bytes) -> bool:
+    """Whether ``beat`` (of the dead rank's successor) is at most two beats past what the dead rank last saw of it."""
+    try:
+        count, seen = int(beat.split(b"|", 1)[0]), int(dead.split(b"|", 1)[1])
+    except (IndexError, ValueError):
+        return False  # the dead rank had not seen it beat yet
+    return count <= seen + 2
 
 
 class _Heartbeat:
@@ -295,6 +301,9 @@ class StoreChannel(Channel):
         start = time.monotonic()
         next_log = start + log_interval()
         wake = self.keys.wake(self.rank)
+        if (value := ready()) is not None:
+            return value
+        self._check_successor()  # a first look at once: a silence is timed from the first look
         while (value := ready()) is None:
             now = time.monotonic()
             left = self._bounded()
@@ -339,9 +348,11 @@ class StoreChannel(Channel):
         victims, last = [succ], beat
         nxt = self._next(succ)
         while nxt != self.rank and nxt not in self.dead:
-            # The dead rank's last beat says how far its successor had beaten; unchanged since, it died too.
+            # The dead rank's last beat says how far its successor had beaten. Alive, the successor would have beaten
+            # about 6 times since (the dead rank has been silent for T); at most twice more (ranks of a lost node
+            # die within a beat or two of each other on a loaded host), it died with it.
             now_beat = read(self.client, heartbeat_key(nxt))
-            if now_beat is None or _count(now_beat) != _seen_successor(last):
+            if now_beat is None or not _stopped_with(now_beat, last):
                 break
             victims.append(nxt)
             last, nxt = now_beat, self._next(nxt)

@@ -1,0 +1,123 @@
+"""The scheduler at scale, measured on real gloo ranks: store requests per rank that do not grow with the length of a
+wait, and ranks that die together reported together."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+import pytest
+
+import ignite_ext.distributed as idist
+from ignite_ext.distributed import _channel
+from ignite_ext.distributed.policies import Plan, Policy, Turn, World
+from tests._world import World as TestWorld
+
+pytestmark = pytest.mark.timeout(240)
+
+
+class CountingStore:
+    """A store that counts the requests made through it (and through its clones), by the thread that made them."""
+
+    def __init__(self, inner: Any, counts: Counter[str]) -> None:
+        self._inner, self.counts = inner, counts
+
+    def clone(self) -> CountingStore:
+        return CountingStore(self._inner.clone(), self.counts)
+
+    def __getattr__(self, name: str) -> Any:
+        target = getattr(self._inner, name)
+        if not callable(target) or name in ("set_timeout",):
+            return target
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.counts[threading.current_thread().name] += 1
+            return target(*args, **kwargs)
+
+        return counted
+
+
+def _counting(monkeypatch_store: Counter[str]) -> None:
+    real = _channel.default_store
+    wrapped: dict[int, CountingStore] = {}
+
+    def default_store() -> Any:
+        store = real()
+        if store is None:
+            return None
+        if id(store) not in wrapped:  # one wrapper per store: the scheduler keys its state by the store
+            wrapped[id(store)] = CountingStore(store, monkeypatch_store)
+        return wrapped[id(store)]
+
+    _channel.default_store = default_store  # type: ignore[assignment]
+
+
+def body_requests(seconds: float) -> dict[str, Any]:
+    counts: Counter[str] = Counter()
+    _counting(counts)
+    with idist.one_rank_first():
+        pass  # a first block starts the heartbeat threads
+    counts.clear()
+    with idist.one_rank_first() as first:
+        if first:
+            time.sleep(seconds)
+    main = counts[threading.current_thread().name]
+    return {"rank": idist.get_rank(), "main": main, "heartbeat": counts["ignite_ext-heartbeat"]}
+
+
+def test_a_wait_costs_a_few_requests_whatever_its_length(world: TestWorld) -> None:
+    # Heartbeat timeout 3 s: slices of ~1 s, so a 4 s wait is 4 slices. Polling (the former design) cost hundreds.
+    env = {"IGNITE_EXT_HEARTBEAT_TIMEOUT": "3", "IGNITE_EXT_WAIT_LOG_INTERVAL": "60"}
+    short = world(body_requests, 0.0, env=env, deadline=90)
+    long = world(body_requests, 4.0, env=env, deadline=90)
+    waiting_short = max(s["main"] for s in short[1:])
+    waiting_long = max(s["main"] for s in long[1:])
+    assert waiting_short <= 30, short
+    assert waiting_long <= waiting_short + 6 * 4, long  # at most a few requests per slice of ~1 s
+    assert long[0]["main"] <= 30, long  # the first rank: its block, its outcome, the wake-ups, one wait
+    # Heartbeats: 2 requests per beat, a beat every T/6 = 0.5 s, plus a wake-up per slice.
+    assert all(s["heartbeat"] <= 2 * 4.5 / 0.5 + 10 for s in long), long
+
+
+KILL_AFTER_S = 2.0
+
+
+class _Together(Policy):
+    """Every rank runs at once."""
+
+    def plan(self, world: World, comm: Any) -> Plan:
+        everyone = tuple(range(world.world_size))
+        return Plan(tuple(Turn(r, True, frozenset(), everyone, 0) for r in everyone))
+
+
+def body_lost_node(victims: tuple[int, ...]) -> dict[str, Any]:
+    with idist.one_rank_first():
+        pass  # every rank beats from here on
+    idist.barrier()
+    start = time.monotonic()
+    try:
+        with idist.rank_scheduler(order=_Together()):
+            if idist.get_rank() in victims:
+                time.sleep(KILL_AFTER_S)  # long enough for a few beats: ranks that have run for a while
+                os.kill(os.getpid(), signal.SIGKILL)  # a node lost with all its ranks at once
+        return {"outcome": "ok"}
+    except idist.RankFailedError as exc:
+        return {"outcome": "RankFailedError", "dead": list(exc.dead), "after": time.monotonic() - start}
+
+
+def test_ranks_that_die_together_are_reported_together(world: TestWorld) -> None:
+    timeout = 3.0
+    victims = (2, 3, 4)
+    env = {"IGNITE_EXT_HEARTBEAT_TIMEOUT": str(timeout)}
+    results = world.results(body_lost_node, victims, nprocs=6, env=env, deadline=120)
+    survivors = [r for r in results if r.rank not in victims]
+    assert all(results[v].killed for v in victims)
+    for r in survivors:
+        assert r.ok and r.value["outcome"] == "RankFailedError", str(r)
+        assert r.value["dead"] == list(victims), r.value
+        # All three within ~1.5 timeouts of their death (one after another, they took a timeout each).
+        assert r.value["after"] < KILL_AFTER_S + 1.5 * timeout + 1.0, r.value
