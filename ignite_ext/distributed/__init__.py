@@ -7,6 +7,8 @@ yielding whether this rank runs first), :func:`rank_scheduler` and its policies.
 .. versionadded:: 0.1.0
 """
 
+import importlib as _importlib
+
 import ignite.distributed as _ignite_distributed
 from ignite.distributed import *  # noqa: F403
 
@@ -14,6 +16,7 @@ from ignite.distributed import *  # noqa: F403
 # exported through the star import above; name it explicitly (it is the very same class).
 from ignite.distributed.launcher import Parallel as Parallel
 
+from ignite_ext.distributed import _aliases
 from ignite_ext.distributed.agreement import agree
 from ignite_ext.distributed.errors import RankDiedError, RankFailedError, RankFailure, StoreLostError
 from ignite_ext.distributed.policies import Comm, MasterFirst, Ordered, Plan, Policy, Turn, World
@@ -39,3 +42,9 @@ __all__ = [
 ]
 # ignite.distributed has no __all__ of its own: its public names are what it exposes without a leading "_".
 __all__ += sorted(n for n in dir(_ignite_distributed) if not n.startswith("_") and n not in __all__)
+
+# The submodule paths of ignite.distributed resolve here too: ignite's very modules, but for ``utils``, which is a
+# module of this package (ignite's names with the failure-safe one_rank_first).
+_aliases.install()
+# ``from ignite.distributed import *`` bound ignite's utils here: a plain ``from . import utils`` would return it.
+utils = _importlib.import_module(f"{__name__}.utils")

@@ -10,6 +10,7 @@ a policy is pure bookkeeping, so a new one is a small class and needs no change 
 
 from __future__ import annotations
 
+import operator
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -213,15 +214,19 @@ class Policy(ABC):
 
 
 def _check_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} should be an int, but given {value!r} ({type(value).__name__})")
-    return value
+    # What ignite's one_rank_first accepts: anything usable as an index (numpy and torch integers included).
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise ValueError(f"{name} should be an int, but given {value!r} ({type(value).__name__})") from None
 
 
 def _check_bool(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} should be a bool, but given {value!r} ({type(value).__name__})")
-    return value
+    # Truthy or falsy, as ignite's ``if local`` takes it; only values without a truth value are refused.
+    try:
+        return bool(value)
+    except Exception as exc:  # e.g. a tensor of several elements
+        raise ValueError(f"{name} should be a bool, but given {value!r} ({type(value).__name__})") from exc
 
 
 class MasterFirst(Policy):
@@ -245,7 +250,10 @@ class MasterFirst(Policy):
         self.local = local
 
     def __repr__(self) -> str:
-        return f"MasterFirst(rank={self.rank!r}, local={self.local!r})"
+        try:  # ranks that pass 0 and numpy.int64(0) pass the same policy
+            return f"MasterFirst(rank={_check_int('rank', self.rank)}, local={_check_bool('local', self.local)})"
+        except ValueError:
+            return f"MasterFirst(rank={self.rank!r}, local={self.local!r})"
 
     def validate(self, world: World) -> None:
         """Check ``rank`` and ``local`` like ignite's ``one_rank_first`` does."""
@@ -257,11 +265,12 @@ class MasterFirst(Policy):
 
     def plan(self, world: World, comm: Comm) -> Plan:
         """Put the chosen rank (of each node, with ``local=True``) first and make the others wait for it."""
-        groups = world.nodes().values() if self.local else [tuple(range(world.world_size))]
+        rank, local = _check_int("rank", self.rank), _check_bool("local", self.local)
+        groups = world.nodes().values() if local else [tuple(range(world.world_size))]
         turns: dict[int, Turn] = {}
         for group in groups:
             # A node with fewer ranks than ``rank + 1`` has no such local rank: its lowest rank leads instead.
-            leader = group[self.rank] if self.rank < len(group) else group[0]
+            leader = group[rank] if rank < len(group) else group[0]
             for r in group:
                 after = frozenset() if r == leader else frozenset({leader})
                 turns[r] = Turn(r, r == leader, after, group, leader)
@@ -290,7 +299,10 @@ class Ordered(Policy):
         self.local = local
 
     def __repr__(self) -> str:
-        return f"Ordered(local={self.local!r})"
+        try:
+            return f"Ordered(local={_check_bool('local', self.local)})"
+        except ValueError:
+            return f"Ordered(local={self.local!r})"
 
     def validate(self, world: World) -> None:
         """Check that ``local`` is a bool."""
@@ -299,7 +311,7 @@ class Ordered(Policy):
     def plan(self, world: World, comm: Comm) -> Plan:
         """Chain the ranks (of each node, with ``local=True``), each waiting for the previous one."""
         groups: Sequence[tuple[int, ...]] = (
-            list(world.nodes().values()) if self.local else [tuple(range(world.world_size))]
+            list(world.nodes().values()) if _check_bool("local", self.local) else [tuple(range(world.world_size))]
         )
         turns: dict[int, Turn] = {}
         for group in groups:

@@ -5,6 +5,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -15,12 +19,15 @@ from ignite_ext.distributed._channel import Channel, make_channel, native_store
 from ignite_ext.distributed._collective import IdistComm
 from ignite_ext.distributed._state import GroupState, group_state
 from ignite_ext.distributed.agreement import agree, disagreement
-from ignite_ext.distributed.policies import MasterFirst, Policy, Turn, World
+from ignite_ext.distributed.policies import MasterFirst, Ordered, Plan, Policy, Turn, World
+from ignite_ext.distributed.shared_path import SharedPath
 from ignite_ext.errors import RankFailedError, RankFailure
 
 __all__ = ["one_rank_first", "rank_scheduler"]
 
 _MAX_MESSAGE = 2000
+# The package's own policies plan from the agreed world alone: the same on every rank by construction.
+_BUILTIN = (MasterFirst, Ordered, SharedPath)
 
 
 def _describe(order: object) -> str:
@@ -35,37 +42,92 @@ def _check(order: object, world: World) -> None:
     order.validate(world)
 
 
-def _entry(order: object, timeout: float | None) -> tuple[int, int, str]:
-    """This rank's entry (its node, local rank, and what it passed); ``ValueError`` if what it passed is invalid."""
+def _call_site() -> str:
+    """``file:line`` of the ``with`` statement that entered the scheduler (outside contextlib and this module)."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename in (__file__, contextlib.__file__):
+        frame = frame.f_back  # type: ignore[assignment]
+    if frame is None:
+        return "?"
+    # The base name: ranks may run the same script from different directories (or hosts' install paths).
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+
+
+def _entry(order: object, timeout: float | None, site: str) -> tuple[int, int, str]:
+    """This rank's entry (its node, local rank, what it passed and where); ``ValueError`` if what it passed is invalid.
+
+    The call site is part of what must agree: a rank that runs one block more than the others, or enters from a
+    thread, would otherwise pair its block with another one of theirs.
+    """
     n, npn = idist.get_world_size(), idist.get_nproc_per_node()
     _check(order, World(n, tuple(r // npn for r in range(n)), tuple(r % npn for r in range(n))))
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)):
         raise ValueError(f"timeout should be a number of seconds or None, but given {timeout!r}")
     if timeout is not None and timeout <= 0:
         raise ValueError(f"timeout should be positive, but given {timeout!r}")
-    return idist.get_node_rank(), idist.get_local_rank(), f"{_describe(order)}|timeout={timeout!r}"
+    return idist.get_node_rank(), idist.get_local_rank(), f"{_describe(order)}|timeout={timeout!r}|at {site}"
 
 
 def _mismatch(entries: list[tuple[int, int, str]]) -> str | None:
     differ = disagreement([args for _, _, args in entries])
     if differ is None:
         return None
-    return f"ranks passed different rank_scheduler arguments, every rank must pass the same: {differ}"
+    return (
+        "ranks passed different rank_scheduler arguments or entered different blocks (every rank must enter the same "
+        f"block, from the same line, with the same arguments): {differ}"
+    )
 
 
-def _world(entries: list[tuple[int, int, str]]) -> World:
-    return World(len(entries), tuple(e[0] for e in entries), tuple(e[1] for e in entries))
+#: The world's shape as the verdict carries it: ``("grid", N, per_node)`` when rank ``r`` is local rank
+#: ``r % per_node`` of node ``r // per_node`` (the usual launch: a few bytes whatever N), else every rank's pair.
+Layout = tuple[str, int, int] | tuple[str, tuple[int, ...], tuple[int, ...]]
 
 
-def _agree_on_entry(channel: Channel, order: object, timeout: float | None) -> World:
+def _layout(entries: list[tuple[int, int, str]]) -> Layout:
+    nodes, locals_ = tuple(e[0] for e in entries), tuple(e[1] for e in entries)
+    per_node = max(locals_) + 1
+    if all(nodes[r] == r // per_node and locals_[r] == r % per_node for r in range(len(entries))):
+        return ("grid", len(entries), per_node)
+    return ("ranks", nodes, locals_)
+
+
+def _world(layout: Layout) -> World:
+    """The :class:`World` of a verdict's layout (built on every rank, from a few bytes for a regular layout).
+
+    Examples:
+        >>> from ignite_ext.distributed.schedule import _layout, _world
+        >>> _layout([(0, 0, "x"), (0, 1, "x"), (1, 0, "x"), (1, 1, "x")])
+        ('grid', 4, 2)
+        >>> _world(("grid", 4, 2)).node_ranks, _world(("ranks", (0, 1), (0, 0))).local_ranks
+        ((0, 0, 1, 1), (0, 0))
+    """
+    _, first, second = layout
+    if isinstance(first, int) and isinstance(second, int):  # ("grid", N, per_node)
+        return World(first, tuple(r // second for r in range(first)), tuple(r % second for r in range(first)))
+    assert isinstance(first, tuple) and isinstance(second, tuple)
+    return World(len(first), first, second)
+
+
+def _agree_on_entry(channel: Channel, order: object, timeout: float | None, site: str) -> World:
     """Check every rank's entry together; ``ValueError`` on every rank if any is invalid or they differ."""
-    return agree(
-        lambda: _entry(order, timeout),
+    layout = agree(
+        lambda: _entry(order, timeout, site),
         "checking the rank_scheduler arguments",
         check=_mismatch,
-        combine=_world,
+        combine=_layout,
         exchange=channel.exchange,
     )
+    return _world(layout)
+
+
+def _digest(plan: Plan) -> str:
+    text = repr([(t.rank, bool(t), sorted(t.after), t.group, t.leader) for t in plan.turns])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _plans_differ(digests: list[str]) -> str | None:
+    differ = disagreement(digests)
+    return None if differ is None else f"the policy planned differently on different ranks (plan digests): {differ}"
 
 
 def _failure(rank: int, exc: BaseException) -> RankFailure:
@@ -146,6 +208,7 @@ def rank_scheduler(order: Policy | None = None, *, timeout: float | None = None)
             "not take part in collectives; schedule the work in the main process (e.g. in the dataset's setup)"
         )
     order = MasterFirst() if order is None else order
+    site = _call_site()
     rank, world_size = idist.get_rank(), idist.get_world_size()
     store = native_store() if world_size > 1 else None
     state = group_state(store)
@@ -157,28 +220,30 @@ def rank_scheduler(order: Policy | None = None, *, timeout: float | None = None)
     # An invalid timeout is reported by the entry exchange, so that exchange must not itself obey it.
     usable = isinstance(timeout, int | float) and not isinstance(timeout, bool) and timeout > 0
     if world_size == 1:
-        world = _agree_on_entry(make_channel(None, state, rank, 1, label, None, -1), order, timeout)
+        world = _agree_on_entry(make_channel(None, state, rank, 1, label, None, -1), order, timeout, site)
         assert isinstance(order, Policy)
         with state.inside(world):
             yield order.plan(world, IdistComm()).turns[rank]
         return
     seq = state.take_sequence()
     try:
-        with _block(
-            make_channel(store, state, rank, world_size, label, timeout if usable else None, seq), order, timeout, state
-        ) as turn:
+        channel = make_channel(store, state, rank, world_size, label, timeout if usable else None, seq)
+        with _block(channel, order, timeout, state, site) as turn:
             yield turn
     finally:
         state.leave(seq)  # whatever happened, this process reads no key of the block any more
 
 
 @contextmanager
-def _block(channel: Channel, order: object, timeout: float | None, state: GroupState) -> Iterator[Turn]:
+def _block(channel: Channel, order: object, timeout: float | None, state: GroupState, site: str) -> Iterator[Turn]:
     """One communicating block on this rank: entry, wait, run, leave."""
     rank = channel.rank
-    world = _agree_on_entry(channel, order, timeout)
+    world = _agree_on_entry(channel, order, timeout, site)
     assert isinstance(order, Policy)
     plan = order.plan(world, IdistComm())
+    if not isinstance(order, _BUILTIN):
+        # A policy of the user's must plan alike on every rank, or two ranks could both run "first".
+        agree(lambda: _digest(plan), f"checking the plan of {order!r}", check=_plans_differ)
     turn = plan.turns[rank]
     channel.start(plan)
     try:
