@@ -217,3 +217,83 @@ def test_two_nodes_under_torchrun(tmp_path: Path) -> None:
     assert [x["group"] for x in n] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert [x["probe"] for x in n] == ["0", "0", "2", "2"]
     assert markers(shared / "data") == []
+
+
+# ------------------------------------------------------------------------------------------- cost and hosts
+
+_COUNTED = ("stat", "lstat", "mkdir", "open", "link", "unlink", "listdir", "scandir")
+
+
+def body_census_cost(path: str) -> dict[str, int]:
+    import builtins
+
+    counts = dict.fromkeys(_COUNTED, 0)
+    originals = {name: getattr(os, name) for name in _COUNTED}
+    real_open = builtins.open
+
+    def counting(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            counts[name] += 1
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    for name in _COUNTED:
+        setattr(os, name, counting(name))
+    builtins.open = lambda *a, **k: (counts.__setitem__("open", counts["open"] + 1), real_open(*a, **k))[1]
+    try:
+        with idist.rank_scheduler(order=idist.SharedPath(path)):
+            pass
+    finally:
+        for name, fn in originals.items():
+            setattr(os, name, fn)
+        builtins.open = real_open
+    return counts
+
+
+@pytest.mark.parametrize("nprocs", [2, 6])
+def test_the_census_costs_a_few_filesystem_operations_per_rank_whatever_the_world(
+    world: World, tmp_path: Path, nprocs: int
+) -> None:
+    counts = world(body_census_cost, str(tmp_path), nprocs=nprocs, deadline=90)
+    totals = [sum(c.values()) for c in counts]
+    assert max(totals) <= 16, counts  # the host leader: mkdir, stats, its file, the link, the cleanup
+    assert max(totals[1:]) <= 8, counts  # the others: mkdir and a few stats, and not one lookup per rank
+    assert all(c["listdir"] == c["scandir"] == 0 for c in counts)
+
+
+def _set_hostname(name: str) -> str:
+    """Give this process a UTS namespace of its own with ``name`` as hostname ("" when that is not allowed)."""
+    import ctypes
+    import socket
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(0x04000000) != 0:  # CLONE_NEWUTS
+        return f"unshare(CLONE_NEWUTS): {os.strerror(ctypes.get_errno())}"
+    raw = name.encode()
+    if libc.sethostname(raw, len(raw)) != 0:
+        return f"sethostname: {os.strerror(ctypes.get_errno())}"
+    assert socket.gethostname() == name
+    return ""
+
+
+def body_hosts(shared: str, own: str) -> dict[str, Any]:
+    problem = _set_hostname(f"simhost{idist.get_rank() // 2}")  # two simulated hosts of two ranks each
+    if problem:
+        return {"skip": problem}
+    out: dict[str, Any] = {}
+    for name, path in (("shared", shared), ("own", f"{own}/{idist.get_rank() // 2}")):
+        with idist.rank_scheduler(order=idist.SharedPath(path)) as turn:
+            out[name] = (bool(turn), list(turn.group))
+    return out
+
+
+def test_ranks_on_different_hosts_meet_on_the_shared_directory(world: World, tmp_path: Path) -> None:
+    # Each rank renames its host (a UTS namespace of its own), so the census must go through the filesystem
+    # rendezvous: one leader for the directory all share, one per host for the directories of each host.
+    seen = world(body_hosts, str(tmp_path / "shared"), str(tmp_path / "own"), deadline=90)
+    if any("skip" in s for s in seen):
+        pytest.skip(seen[0].get("skip", "no UTS namespaces"))
+    assert [s["shared"] for s in seen] == [(r == 0, [0, 1, 2, 3]) for r in range(4)]
+    assert [s["own"] for s in seen] == [(True, [0, 1]), (False, [0, 1]), (True, [2, 3]), (False, [2, 3])]
+    assert markers(tmp_path / "shared", tmp_path / "own" / "0", tmp_path / "own" / "1") == []
