@@ -1,0 +1,180 @@
+"""The scheduler's cost at scale, measured on real gloo ranks: store requests per rank, and dead-rank detection time.
+
+* **Requests.** Every rank counts the requests it sends to the store (a counting proxy around the process group's
+  store, by thread: the rank's own, and its heartbeat thread's) for one ``one_rank_first`` whose first rank works
+  for 0, 0.1, 1, 10 and 60 seconds. A wait is one server-side ``wait`` per slice (a third of the heartbeat timeout):
+  the count must not grow with the block's length but by a few requests per slice (goal: at most 40 for any
+  length at the default heartbeat timeout of 30 s).
+* **Detection.** 8 ranks run a block together; ``k`` of them (1, 3 and 7) are SIGKILLed at the same moment; the time
+  from the kill to the survivors' ``RankFailedError`` naming all of them, as a multiple of the heartbeat timeout
+  (goal: about 1.5 whatever ``k``; one timeout per dead rank before).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+NAME = "scale"
+#: Heartbeat timeout of the detection runs (the default, 30 s, would make them minutes long).
+DETECTION_TIMEOUT_S = 5.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class _CountingStore:
+    """Counts every request sent through the store (and its clones), by the thread that sent it."""
+
+    def __init__(self, inner: Any, counts: Counter[str]) -> None:
+        self._inner, self._counts = inner, counts
+
+    def clone(self) -> _CountingStore:
+        return _CountingStore(self._inner.clone(), self._counts)
+
+    def __getattr__(self, name: str) -> Any:
+        target = getattr(self._inner, name)
+        if not callable(target) or name == "set_timeout":  # set_timeout is local: no request
+            return target
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self._counts[threading.current_thread().name] += 1
+            return target(*args, **kwargs)
+
+        return counted
+
+
+def _count_requests(local_rank: int, out: str, lengths: list[float]) -> None:
+    from torch.distributed import distributed_c10d
+
+    import ignite_ext.distributed as idist
+
+    counts: Counter[str] = Counter()
+    real = distributed_c10d._get_default_store
+    proxy: dict[str, _CountingStore] = {}
+
+    def counting() -> Any:  # one proxy per store: the scheduler keys its state by the store object
+        return proxy.setdefault("store", _CountingStore(real(), counts))
+
+    distributed_c10d._get_default_store = counting
+    with idist.one_rank_first():
+        pass  # connections and heartbeat threads: not part of what is measured
+    rows = []
+    for seconds in lengths:
+        idist.barrier()
+        counts.clear()
+        with idist.one_rank_first() as first:
+            if first:
+                time.sleep(seconds)
+        rows.append({"block_s": seconds, "own": counts["MainThread"], "heartbeat": counts["ignite_ext-heartbeat"]})
+    Path(out, f"rank{idist.get_rank()}.json").write_text(json.dumps(rows))
+
+
+def _detect(local_rank: int, out: str, k: int) -> None:
+    import ignite_ext.distributed as idist
+
+    with idist.one_rank_first():
+        pass  # every rank beats from here on
+    idist.barrier()
+    rank, n = idist.get_rank(), idist.get_world_size()
+    victims = list(range(n - k, n))
+
+    class Together(idist.Policy):  # every rank runs at once
+        def plan(self, world: Any, comm: Any) -> Any:
+            everyone = tuple(range(world.world_size))
+            return idist.Plan(tuple(idist.Turn(r, True, frozenset(), everyone, 0) for r in everyone))
+
+    try:
+        with idist.rank_scheduler(order=Together()):
+            time.sleep(2.0)  # long enough for a few beats
+            if rank == victims[0]:
+                Path(out, "killed_at").write_text(str(time.time()))
+            if rank in victims:
+                os.kill(os.getpid(), signal.SIGKILL)  # a node lost with all its ranks at once
+    except idist.RankFailedError as exc:
+        Path(out, f"rank{rank}.json").write_text(json.dumps({"at": time.time(), "dead": list(exc.dead)}))
+        return
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"at": time.time(), "dead": []}))
+
+
+def _run_world(fn: Any, nproc: int, env: dict[str, str], *args: Any) -> Path:
+    import ignite_ext.distributed as idist
+
+    os.environ.update({"OMP_NUM_THREADS": "1", **env})
+    out = Path(tempfile.mkdtemp(prefix="ignite_ext_bench_scale_"))
+    try:
+        with idist.Parallel(
+            backend="gloo", nproc_per_node=nproc, master_addr="127.0.0.1", master_port=_free_port()
+        ) as parallel:
+            parallel.run(fn, str(out), *args)
+    except Exception:  # the detection runs end with killed ranks: the launcher reports them
+        pass
+    finally:
+        for key in env:
+            os.environ.pop(key, None)
+    return out
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    lengths = [0.0, 0.1, 1.0, 10.0] if quick else [0.0, 0.1, 1.0, 10.0, 60.0]
+    rows: list[dict[str, Any]] = []
+    out = _run_world(_count_requests, 4, {}, lengths)
+    per_rank = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(4)]
+    for i, seconds in enumerate(lengths):
+        waiting = max(per_rank[r][i]["own"] for r in range(1, 4))
+        rows.append(
+            {
+                "measure": f"requests, block of {seconds:g} s",
+                "first rank": per_rank[0][i]["own"],
+                "waiting rank (max)": waiting,
+                "heartbeat per rank (max)": max(per_rank[r][i]["heartbeat"] for r in range(4)),
+            }
+        )
+    detection: dict[int, float] = {}
+    for k in (1, 3) if quick else (1, 3, 7):
+        out = _run_world(_detect, 8, {"IGNITE_EXT_HEARTBEAT_TIMEOUT": str(DETECTION_TIMEOUT_S)}, k)
+        killed = float(Path(out, "killed_at").read_text())
+        survivors = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(8 - k)]
+        assert all(s["dead"] == list(range(8 - k, 8)) for s in survivors), survivors
+        detection[k] = max(s["at"] for s in survivors) - killed
+        rows.append(
+            {
+                "measure": f"detection, {k} of 8 ranks killed at once",
+                "seconds": round(detection[k], 2),
+                "x heartbeat timeout": round(detection[k] / DETECTION_TIMEOUT_S, 2),
+            }
+        )
+    worst_requests = max(r["waiting rank (max)"] for r in rows if "waiting rank (max)" in r)
+    summary = (
+        f"Store requests of a waiting rank for one one_rank_first, whatever the first rank's block length "
+        f"({', '.join(f'{s:g}' for s in lengths)} s): at most {worst_requests} (goal <= 40; polling sent ~650 "
+        f"for 10 s). Ranks killed at once are reported together: "
+        + ", ".join(f"k={k}: {t / DETECTION_TIMEOUT_S:.2f}x the heartbeat timeout" for k, t in detection.items())
+        + " (goal ~1.5x whatever k)."
+    )
+    return {
+        "title": "Scheduler at scale: store requests per rank, dead-rank detection",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}",
+        "rows": rows,
+        "summary": summary,
+    }
+
+
+if __name__ == "__main__":
+    result = run(quick="--quick" in sys.argv)
+    for row in result["rows"]:
+        print(row)
+    print(result["summary"])
