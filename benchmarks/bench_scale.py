@@ -36,14 +36,15 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class _CountingStore:
+class CountingStore:
     """Counts every request sent through the store (and its clones), by the thread that sent it."""
 
     def __init__(self, inner: Any, counts: Counter[str]) -> None:
         self._inner, self._counts = inner, counts
 
-    def clone(self) -> _CountingStore:
-        return _CountingStore(self._inner.clone(), self._counts)
+    def clone(self) -> CountingStore:
+        """A client of the same store, counted in the same counters."""
+        return CountingStore(self._inner.clone(), self._counts)
 
     def __getattr__(self, name: str) -> Any:
         target = getattr(self._inner, name)
@@ -64,10 +65,10 @@ def _count_requests(local_rank: int, out: str, lengths: list[float]) -> None:
 
     counts: Counter[str] = Counter()
     real = distributed_c10d._get_default_store
-    proxy: dict[str, _CountingStore] = {}
+    proxy: dict[str, CountingStore] = {}
 
     def counting() -> Any:  # one proxy per store: the scheduler keys its state by the store object
-        return proxy.setdefault("store", _CountingStore(real(), counts))
+        return proxy.setdefault("store", CountingStore(real(), counts))
 
     distributed_c10d._get_default_store = counting
     with idist.one_rank_first():

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "ignite_ext"
 CAPABILITIES = ("download", "sampler", "cache")
 # Private modules of the top package that every part of it may use.
-_BASE_MODULES = ("ignite_ext._fs", "ignite_ext._version")
+_BASE_MODULES = ("ignite_ext._fs", "ignite_ext._locks", "ignite_ext._version")
 
 
 def _module_name(path: Path) -> str:
@@ -75,7 +75,9 @@ def violations() -> list[str]:
             where = f"{path.relative_to(ROOT)} imports {target}"
             if me.startswith("ignite_ext.distributed") and target.startswith(("ignite_ext.data", "ignite_ext.demo")):
                 found.append(f"{where}: distributed must not depend on data")
-            if me in ("ignite_ext.errors", "ignite_ext._fs") and not target.startswith("ignite_ext.errors"):
+            if me in ("ignite_ext.errors", "ignite_ext._fs", "ignite_ext._locks") and not target.startswith(
+                "ignite_ext.errors"
+            ):
                 found.append(f"{where}: the base modules import nothing of the package but the errors")
             if _owner(target) != owner and _private(target) and not target.startswith(_BASE_MODULES):
                 found.append(f"{where}: another package's private module")

@@ -31,11 +31,7 @@ per beat 2 requests; rank 0 additionally reads the N entries (one ``multi_get``)
 
 from __future__ import annotations
 
-import atexit
-import random
-import threading
 import time
-import weakref
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import TypeVar
@@ -50,12 +46,20 @@ from ignite_ext.distributed._channel import (
     log,
     log_interval,
 )
+from ignite_ext.distributed._heartbeat import (
+    Heartbeat,
+    Lingering,
+    Watch,
+    client_of_this_thread,
+    slice_seconds,
+    stopped_with,
+)
 from ignite_ext.distributed._state import GroupState
 from ignite_ext.distributed._store import BlockKeys, Store, heartbeat_key, put, put_once, read
 from ignite_ext.distributed.policies import Plan
 from ignite_ext.errors import RankDiedError, RankFailedError, RankFailure, StoreLostError
 
-__all__ = ["StoreChannel", "slice_seconds"]
+__all__ = ["StoreChannel"]
 
 T = TypeVar("T")
 
@@ -63,185 +67,6 @@ T = TypeVar("T")
 _DIED = RankDiedError.__name__
 # A verdict that is not the judge's but a death at the entry: every rank raises it.
 _DEATH_VERDICT = b"D\n"
-
-
-def slice_seconds() -> float:
-    """How long one wait lasts before the waiter checks its timeout and its successor (with 10 % jitter).
-
-    Examples:
-        >>> import os
-        >>> from ignite_ext.distributed._store_channel import slice_seconds
-        >>> os.environ["IGNITE_EXT_HEARTBEAT_TIMEOUT"] = "30"
-        >>> 9.0 <= slice_seconds() <= 11.0
-        True
-        >>> del os.environ["IGNITE_EXT_HEARTBEAT_TIMEOUT"]
-    """
-    # Many waits expiring together return late on the libuv server: spread them.
-    return max(0.05, min(log_interval(), heartbeat_timeout() / 3)) * random.uniform(0.9, 1.1)
-
-
-def _clone(store: Store) -> Store:
-    try:
-        return store.clone()  # type: ignore[attr-defined,no-any-return]
-    except (AttributeError, RuntimeError):  # a store that cannot be cloned (HashStore): share it
-        return store
-
-
-def _count(beat: bytes | None) -> bytes | None:
-    return None if beat is None else beat.split(b"|", 1)[0]
-
-
-def _stopped_with(beat: bytes, dead: bytes) -> bool:
-    """Whether ``beat`` (of the dead rank's successor) is at most two beats past what the dead rank last saw of it."""
-    try:
-        count, seen = int(beat.split(b"|", 1)[0]), int(dead.split(b"|", 1)[1])
-    except (IndexError, ValueError):
-        return False  # the dead rank had not seen it beat yet
-    return count <= seen + 2
-
-
-class _Heartbeat:
-    """One daemon thread per process and store, on its own client: beats, wakes waiters at slice ends, deletes keys."""
-
-    _instances: weakref.WeakKeyDictionary[Store, _Heartbeat] = weakref.WeakKeyDictionary()
-    _guard = threading.Lock()
-
-    def __init__(self, store: Store, rank: int, world_size: int) -> None:
-        self._store = weakref.ref(store)
-        self._client = _clone(store)
-        self._rank, self._successor = rank, (rank + 1) % world_size
-        self._count = 0
-        self._pending: list[str] = []
-        self._ticks: dict[str, float] = {}  # wake key -> when to set it
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._beat()
-        threading.Thread(target=self._run, name="ignite_ext-heartbeat", daemon=True).start()
-
-    @classmethod
-    def ensure(cls, store: Store, rank: int, world_size: int) -> _Heartbeat:
-        with cls._guard:
-            hb = cls._instances.get(store)
-            if hb is None:
-                hb = cls._instances[store] = cls(store, rank, world_size)
-            return hb
-
-    def delete_later(self, keys: Iterable[str]) -> None:
-        with self._lock:
-            self._pending.extend(keys)
-
-    def tick(self, key: str, seconds: float) -> None:
-        """Set ``key`` in ``seconds`` (ends the caller's slice), unless :meth:`untick` comes first."""
-        with self._lock:
-            self._ticks[key] = time.monotonic() + seconds
-        self._wake.set()
-
-    def untick(self, key: str) -> None:
-        with self._lock:
-            self._ticks.pop(key, None)
-
-    def _beat(self) -> bool:
-        if self._store() is None:
-            return False
-        client = self._client
-        self._count += 1
-        seen = _count(read(client, heartbeat_key(self._successor))) or b"-"
-        put(client, heartbeat_key(self._rank), b"%d|%s" % (self._count, seen))
-        _Lingering.release()
-        with self._lock:
-            pending, self._pending = self._pending, []
-        for key in pending:
-            client.delete_key(key)
-        return True
-
-    def _fire_ticks(self) -> float:
-        """Set the wake keys whose time has come; return the seconds until the next one."""
-        now = time.monotonic()
-        with self._lock:  # under the lock: an untick()ed key is never set afterwards
-            due = [key for key, at in self._ticks.items() if at <= now]
-            for key in due:
-                del self._ticks[key]
-                put(self._client, key, b"t")
-            upcoming = min(self._ticks.values(), default=now + 3600.0)
-        return max(0.0, upcoming - now)
-
-    def _run(self) -> None:
-        every = max(0.05, heartbeat_timeout() / 6)
-        next_beat = time.monotonic() + every
-        while True:
-            try:
-                until_tick = self._fire_ticks()
-                wait = min(until_tick, max(0.0, next_beat - time.monotonic()))
-                self._wake.wait(wait)
-                self._wake.clear()
-                if time.monotonic() >= next_beat:
-                    if not self._beat():
-                        return
-                    next_beat = time.monotonic() + every
-            except Exception:
-                return  # the store is gone (process group destroyed or its host died): nothing left to beat
-
-
-class _Watch:
-    """This rank's view of one peer's heartbeat, by this rank's own clock (no clock skew between hosts)."""
-
-    def __init__(self, rank: int) -> None:
-        self.rank = rank
-        self.value: bytes | None = None
-        self.since = time.monotonic()
-
-    def observe(self, value: bytes | None, now: float) -> float:
-        """Record ``value``; return for how long it has not changed (0 when it just did)."""
-        if value != self.value:
-            self.value, self.since = value, now
-        return now - self.since
-
-
-class _Lingering:
-    """Rank 0's last block, whose readers may still be using the store that rank 0's process hosts.
-
-    Under ``env://`` launches the store lives in rank 0's process: if rank 0 ended its process right after
-    a block, the others could lose the store while reading the outcome. Rather than make every block wait,
-    rank 0 keeps the store alive and, at interpreter exit, waits (bounded, on one key) until the others
-    acknowledged. The next block needs nothing: its entry proves everyone finished the previous one.
-    """
-
-    pending: tuple[Store, BlockKeys, int] | None = None
-    registered = False
-
-    @classmethod
-    def hold(cls, store: Store, keys: BlockKeys, expected: int) -> None:
-        cls.pending = (store, keys, expected)
-        if not cls.registered:
-            atexit.register(cls.drain)
-            cls.registered = True
-
-    @classmethod
-    def release(cls, store: Store | None = None) -> None:
-        """Drop the hold once the readers acknowledged (or, with ``store``, when a new block on it starts).
-
-        Holding the store longer than needed would keep its port bound after ``destroy_process_group``.
-        """
-        pending = cls.pending
-        if pending is None:
-            return
-        held, keys, _ = pending
-        try:
-            if held is store or held.check([keys.acked]):
-                cls.pending = None
-        except Exception:
-            cls.pending = None  # the store is gone: nothing left to protect
-
-    @classmethod
-    def drain(cls) -> None:
-        pending, cls.pending = cls.pending, None
-        if pending is None:
-            return
-        store, keys, _ = pending
-        try:
-            store.wait([keys.acked], timedelta(seconds=heartbeat_timeout()))
-        except Exception:
-            return  # the others are gone already, or did not answer in time
 
 
 class StoreChannel(Channel):
@@ -261,14 +86,14 @@ class StoreChannel(Channel):
         self.keys = BlockKeys(seq)
         self.seq = seq
         self.state = state
-        self.heartbeat = self._guarded(lambda: _Heartbeat.ensure(store, rank, world_size))
+        self.heartbeat = self._guarded(lambda: Heartbeat.ensure(store, rank, world_size))
         # Blocking waits hold a client's lock: this thread's own client, so other threads' store calls never wait.
-        self.client = self._guarded(lambda: _client_of_this_thread(store))
+        self.client = self._guarded(lambda: client_of_this_thread(store))
         default = getattr(store, "timeout", None)
         if isinstance(default, timedelta):  # an earlier block with timeout= may have shortened this client's
             self.client.set_timeout(default)
         self.dead: set[int] = set()  # ranks this rank knows died in this block
-        self._watch: _Watch | None = None
+        self._watch: Watch | None = None
         self._dependents: list[list[int]] = [[] for _ in range(world_size)]
         self._started = time.monotonic()
 
@@ -339,7 +164,7 @@ class StoreChannel(Channel):
             succ = self._next(succ)
         if succ == self.rank:
             return
-        watch = self._watch if self._watch is not None and self._watch.rank == succ else _Watch(succ)
+        watch = self._watch if self._watch is not None and self._watch.rank == succ else Watch(succ)
         self._watch = watch
         beat = read(self.client, heartbeat_key(succ))
         silent = watch.observe(beat, time.monotonic())
@@ -352,7 +177,7 @@ class StoreChannel(Channel):
             # about 6 times since (the dead rank has been silent for T); at most twice more (ranks of a lost node
             # die within a beat or two of each other on a loaded host), it died with it.
             now_beat = read(self.client, heartbeat_key(nxt))
-            if now_beat is None or not _stopped_with(now_beat, last):
+            if now_beat is None or not stopped_with(now_beat, last):
                 break
             victims.append(nxt)
             last, nxt = now_beat, self._next(nxt)
@@ -383,7 +208,7 @@ class StoreChannel(Channel):
     def _forget(self, mark: int) -> None:
         # Every rank has left every block below ``mark`` (the verdict's lowest low-water mark): nobody reads
         # their keys any more.
-        _Lingering.release(self.store)
+        Lingering.release(self.store)
         for seq in self.state.forget_below(mark):
             self.heartbeat.delete_later([*BlockKeys(seq).deleted_by(self.rank), *self.state.carried.pop(seq, [])])
 
@@ -475,7 +300,7 @@ class StoreChannel(Channel):
         if self.rank != 0:
             self._ack()
         elif linger:
-            _Lingering.hold(self.store, self.keys, self.world_size - 1)
+            Lingering.hold(self.store, self.keys, self.world_size - 1)
         return sorted(found, key=lambda f: f.rank)
 
     def _everyone_left(self) -> int | None:
@@ -494,16 +319,3 @@ class StoreChannel(Channel):
                 f"rank {self.rank} waiting ({self.label}); the store did not answer: the process hosting it (rank "
                 "0's under env:// launches) has exited, or its host is paused or unreachable",
             ) from exc
-
-
-_THREAD_CLIENTS = threading.local()
-
-
-def _client_of_this_thread(store: Store) -> Store:
-    clients: weakref.WeakKeyDictionary[Store, Store] | None = getattr(_THREAD_CLIENTS, "clients", None)
-    if clients is None:
-        clients = _THREAD_CLIENTS.clients = weakref.WeakKeyDictionary()
-    client = clients.get(store)
-    if client is None:
-        client = clients[store] = _clone(store)
-    return client

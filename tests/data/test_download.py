@@ -12,33 +12,20 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from benchmarks.http_server import TestHTTPServer
-from ignite_ext import _fs
+from ignite_ext import _fs, _locks
 from ignite_ext.__main__ import main
 from ignite_ext.data import ChecksumError, DownloadError, download_url
 from ignite_ext.data.download import _partial, _verify
-from ignite_ext.data.download._http import BACKOFF_ENV
 from tests._world import free_port
 
 DATA = random.Random(0).randbytes(300_000)
 SHA = hashlib.sha256(DATA).hexdigest()
 MD5 = hashlib.md5(DATA).hexdigest()
-
-
-@pytest.fixture
-def server() -> Iterator[TestHTTPServer]:
-    with TestHTTPServer() as s:
-        yield s
-
-
-@pytest.fixture(autouse=True)
-def _fast_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(BACKOFF_ENV, "0.01")
 
 
 def leftovers(root: Path) -> list[str]:
@@ -320,7 +307,7 @@ def test_lock_that_cannot_be_taken_does_not_fail(
         def release(self) -> None:
             raise AssertionError("never held")
 
-    monkeypatch.setattr(_fs, "lock_factory", lambda path: Broken())
+    monkeypatch.setattr(_locks, "lock_factory", lambda path: Broken())
     url = server.add("/a.bin", DATA)
     assert download_url(url, tmp_path, sha256=SHA, progress=False).read_bytes() == DATA
 

@@ -12,7 +12,6 @@ import json
 import os
 import random
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,17 +25,6 @@ from ignite_ext.data.download._http import BACKOFF_ENV
 DATA = random.Random(1).randbytes(300_000)
 OTHER = random.Random(2).randbytes(300_000)
 SHA = hashlib.sha256(DATA).hexdigest()
-
-
-@pytest.fixture
-def server() -> Iterator[TestHTTPServer]:
-    with TestHTTPServer() as s:
-        yield s
-
-
-@pytest.fixture(autouse=True)
-def _fast_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(BACKOFF_ENV, "0.01")
 
 
 def park_half(server: TestHTTPServer, url: str, root: Path, path: str = "/a.bin") -> Path:

@@ -14,14 +14,13 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from benchmarks.http_server import TestHTTPServer
-from ignite_ext import _fs
+from ignite_ext import _locks
 from ignite_ext.data import DownloadError, download_url
 from ignite_ext.data.download._http import BACKOFF_ENV
 from tests._world import World
@@ -45,7 +44,7 @@ _PROBE = textwrap.dedent(
 _HOLDER = textwrap.dedent(
     """
     import sys, time
-    from ignite_ext._fs import RecordLock
+    from ignite_ext._locks import RecordLock
     lock = RecordLock(sys.argv[1])
     lock.acquire()
     print("held", flush=True)
@@ -53,12 +52,6 @@ _HOLDER = textwrap.dedent(
     lock.release()
     """
 )
-
-
-@pytest.fixture
-def server() -> Iterator[TestHTTPServer]:
-    with TestHTTPServer() as s:
-        yield s
 
 
 def _probe(path: Path) -> int:
@@ -75,11 +68,11 @@ def _hold(path: Path, seconds: float) -> subprocess.Popen[str]:
 def test_the_lock_is_a_record_lock_that_other_processes_see(tmp_path: Path) -> None:
     # flock and record locks do not see each other on a local Linux filesystem: this fails for an flock.
     path = tmp_path / ".a.bin.lock"
-    lock = _fs.RecordLock(str(path))
+    lock = _locks.RecordLock(str(path))
     assert lock.acquire()
     try:
         assert _probe(path) == 1
-        assert _fs.holder(path) == f"{socket.gethostname()} {os.getpid()}"
+        assert _locks.holder(path) == f"{socket.gethostname()} {os.getpid()}"
     finally:
         lock.release()
     assert _probe(path) == 0
@@ -90,11 +83,11 @@ def test_a_killed_holder_releases_the_lock(tmp_path: Path) -> None:
     path = tmp_path / ".a.bin.lock"
     proc = _hold(path, 60)
     try:
-        assert not _fs.RecordLock(str(path)).acquire(blocking=False)
+        assert not _locks.RecordLock(str(path)).acquire(blocking=False)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
-    lock = _fs.RecordLock(str(path))
+    lock = _locks.RecordLock(str(path))
     assert lock.acquire(blocking=False)
     lock.release()
 
@@ -105,7 +98,7 @@ def test_threads_of_one_process_exclude_each_other_and_never_drop_the_processs_l
     overlap: list[bool] = []
 
     def work(i: int) -> None:
-        with _fs.exclusive(path, "a test", logging.getLogger("test")):
+        with _locks.exclusive(path, "a test", logging.getLogger("test")):
             inside.append(i)
             overlap.append(len(inside) > 1)
             time.sleep(0.05)
@@ -123,13 +116,13 @@ def test_threads_of_one_process_exclude_each_other_and_never_drop_the_processs_l
 def test_a_waiting_process_says_whom_it_waits_for_and_when_it_takes_over(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(_fs, "WAIT_LOG_INTERVAL_S", 0.3)
+    monkeypatch.setattr(_locks, "WAIT_LOG_INTERVAL_S", 0.3)
     path = tmp_path / ".a.bin.lock"
     proc = _hold(path, 1.5)
     try:
         with (
             caplog.at_level(logging.INFO, logger="test"),
-            _fs.exclusive(path, "a test", logging.getLogger("test")) as w,
+            _locks.exclusive(path, "a test", logging.getLogger("test")) as w,
         ):
             assert w
     finally:
@@ -192,7 +185,7 @@ def test_cli_prologues_say_whom_they_wait_for_unless_quiet(server: TestHTTPServe
     first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     lock = tmp_path / ".a.bin.lock"
     deadline = time.monotonic() + 30
-    while _fs.holder(lock) is None and time.monotonic() < deadline:
+    while _locks.holder(lock) is None and time.monotonic() < deadline:
         time.sleep(0.02)
     others = [
         subprocess.Popen([*cmd, *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)

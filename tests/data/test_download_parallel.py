@@ -12,29 +12,16 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from benchmarks.http_server import TestHTTPServer
 from ignite_ext.data import download_url
-from ignite_ext.data.download._http import BACKOFF_ENV
 from ignite_ext.data.download._parallel import MIN_SEGMENT
 
 DATA = random.Random(4).randbytes(6 * MIN_SEGMENT + 12_345)
 SHA = hashlib.sha256(DATA).hexdigest()
-
-
-@pytest.fixture
-def server() -> Iterator[TestHTTPServer]:
-    with TestHTTPServer() as s:
-        yield s
-
-
-@pytest.fixture(autouse=True)
-def _fast_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(BACKOFF_ENV, "0.01")
 
 
 def test_a_large_file_comes_over_k_ranges_and_is_verified(server: TestHTTPServer, tmp_path: Path) -> None:

@@ -59,11 +59,11 @@ class _Waits(logging.Handler):
 
 
 def fetch(url: str, root: str, sha256: str | None, no_lock: bool = False) -> dict[str, Any]:
-    from ignite_ext import _fs
+    from ignite_ext import _locks
     from ignite_ext.data import download as dl
 
     if no_lock:
-        _fs.lock_factory = _NoLock
+        _locks.lock_factory = _NoLock
     waits = _Waits()
     log = logging.getLogger("ignite_ext.data.download")
     log.addHandler(waits)

@@ -279,9 +279,9 @@ class _NoLock:
 
 
 def extract_without_lock(archive: str, dest: str) -> int:
-    from ignite_ext import _fs
+    from ignite_ext import _locks
 
-    _fs.lock_factory = _NoLock
+    _locks.lock_factory = _NoLock
     return extract_counting(archive, dest)
 
 

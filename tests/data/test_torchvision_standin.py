@@ -14,7 +14,6 @@ import os
 import subprocess
 import tarfile
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -49,12 +48,6 @@ def _peers_python() -> str:
     if done.returncode != 0:
         pytest.skip("scripts/peers_env.sh failed: " + (done.stderr.strip().splitlines() or ["no output"])[-1])
     return done.stdout.strip().splitlines()[-1]
-
-
-@pytest.fixture
-def server() -> Iterator[TestHTTPServer]:
-    with TestHTTPServer() as s:
-        yield s
 
 
 @pytest.mark.distributed  # a second interpreter, in another environment

@@ -13,32 +13,12 @@ from typing import Any
 import pytest
 
 import ignite_ext.distributed as idist
+from benchmarks.bench_scale import CountingStore
 from ignite_ext.distributed import _channel
 from ignite_ext.distributed.policies import Plan, Policy, Turn, World
 from tests._world import World as TestWorld
 
 pytestmark = pytest.mark.timeout(240)
-
-
-class CountingStore:
-    """A store that counts the requests made through it (and through its clones), by the thread that made them."""
-
-    def __init__(self, inner: Any, counts: Counter[str]) -> None:
-        self._inner, self.counts = inner, counts
-
-    def clone(self) -> CountingStore:
-        return CountingStore(self._inner.clone(), self.counts)
-
-    def __getattr__(self, name: str) -> Any:
-        target = getattr(self._inner, name)
-        if not callable(target) or name in ("set_timeout",):
-            return target
-
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            self.counts[threading.current_thread().name] += 1
-            return target(*args, **kwargs)
-
-        return counted
 
 
 def _counting(monkeypatch_store: Counter[str]) -> None:

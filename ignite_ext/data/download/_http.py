@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from email.message import Message
 from typing import IO
 
+from ignite_ext.data.download._urls import OPENER, RedirectRefused, as_uri, strong_date
 from ignite_ext.errors import IgniteExtError
 
 __all__ = [
@@ -35,7 +36,6 @@ __all__ = [
     "Response",
     "RetryableError",
     "Validator",
-    "as_uri",
     "backoff_delay",
     "check_scheme",
     "open_range",
@@ -148,7 +148,7 @@ class Validator:
         if etag is not None and etag.startswith("W/"):
             etag = None
         modified = headers.get("Last-Modified")
-        if modified is not None and not _strong_date(modified, headers.get("Date")):
+        if modified is not None and not strong_date(modified, headers.get("Date")):
             modified = None
         return cls(etag=etag, last_modified=modified)
 
@@ -291,7 +291,9 @@ def open_range(
         headers["If-Range"] = validator.if_range
     request = urllib.request.Request(as_uri(url), headers=headers)
     try:
-        raw = _OPENER.open(request, timeout=timeout)
+        raw = OPENER.open(request, timeout=timeout)
+    except RedirectRefused as exc:
+        raise FatalHTTPError(str(exc), exc.status) from exc
     except urllib.error.HTTPError as exc:
         return _from_http_error(url, exc, offset if resume else 0)
     except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
@@ -364,67 +366,6 @@ def _from_http_error(url: str, exc: urllib.error.HTTPError, requested: int) -> R
     if status == 429 or status >= 500:
         raise RetryableError(f"{url}: HTTP {status} {exc.reason}", _retry_after(headers))
     raise FatalHTTPError(f"{url}: HTTP {status} {exc.reason}", status)
-
-
-class _SafeRedirects(urllib.request.HTTPRedirectHandler):
-    """Follows redirects only to ``http`` and ``https`` (urllib would follow one to ``ftp``)."""
-
-    def redirect_request(
-        self,
-        req: urllib.request.Request,
-        fp: IO[bytes],
-        code: int,
-        msg: str,
-        headers: http.client.HTTPMessage,
-        newurl: str,
-    ) -> urllib.request.Request | None:
-        scheme = urllib.parse.urlsplit(newurl).scheme.lower()
-        if scheme and scheme not in ("http", "https"):
-            raise FatalHTTPError(f"{req.full_url}: redirected to {newurl!r}, a scheme that is not http or https", code)
-        return super().redirect_request(req, fp, code, msg, headers, as_uri(newurl))
-
-
-_OPENER = urllib.request.build_opener(_SafeRedirects)
-
-
-def as_uri(url: str) -> str:
-    """``url`` with a non-ASCII host in IDNA and non-ASCII path, query and fragment percent-encoded (UTF-8).
-
-    Examples:
-        >>> from ignite_ext.data.download._http import as_uri
-        >>> as_uri("https://exämple.org/données/ä b.bin?q=é")
-        'https://xn--exmple-cua.org/donn%C3%A9es/%C3%A4%20b.bin?q=%C3%A9'
-        >>> as_uri("https://example.org/a%20b.bin")  # already encoded: unchanged
-        'https://example.org/a%20b.bin'
-
-    .. versionadded:: 0.2.0
-    """
-    parts = urllib.parse.urlsplit(url)
-    netloc = parts.netloc
-    if parts.hostname and not parts.hostname.isascii():
-        netloc = netloc.replace(parts.hostname, parts.hostname.encode("idna").decode("ascii"))
-    safe = "/:@!$&'()*+,;=%~-._"
-    return urllib.parse.urlunsplit(
-        (
-            parts.scheme,
-            netloc,
-            urllib.parse.quote(parts.path, safe=safe),
-            urllib.parse.quote(parts.query, safe=safe + "?"),
-            urllib.parse.quote(parts.fragment, safe=safe + "?"),
-        )
-    )
-
-
-def _strong_date(modified: str, date: str | None) -> bool:
-    """Whether ``Last-Modified`` is at least a second before ``Date`` (when there is no Date, trust it)."""
-    if date is None:
-        return True
-    try:
-        return (
-            email.utils.parsedate_to_datetime(date) - email.utils.parsedate_to_datetime(modified)
-        ).total_seconds() >= 1
-    except (TypeError, ValueError):
-        return False
 
 
 def _retry_after(headers: Message | None) -> float | None:

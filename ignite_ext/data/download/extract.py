@@ -27,7 +27,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ignite_ext._fs import OWNER, exclusive, fsync_dir, orphans, owner_tag, read_json, sidecar_stem
+from ignite_ext._fs import OWNER, fsync_dir, orphans, owner_tag, read_json, sidecar_stem
+from ignite_ext._locks import exclusive
 from ignite_ext.data.download._members import UNREADABLE, check_links, extract_tar, extract_zip
 from ignite_ext.data.download._partial import ORPHAN_MAX_AGE_S
 from ignite_ext.errors import ArchiveError

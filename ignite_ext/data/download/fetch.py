@@ -34,16 +34,14 @@ import errno
 import logging
 import os
 import re
-import shutil
-import sys
 import time
 import urllib.parse
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
-from ignite_ext._fs import exclusive, fsync_dir, sidecar_stem, unlink
+from ignite_ext._fs import fsync_dir, sidecar_stem, unlink
+from ignite_ext._locks import exclusive
 from ignite_ext.data.download._failures import forget_failure, raise_shared_failure, share_failure
 from ignite_ext.data.download._http import (
     FatalHTTPError,
@@ -54,6 +52,7 @@ from ignite_ext.data.download._http import (
     check_scheme,
     open_range,
 )
+from ignite_ext.data.download._job import DeadlinePassed, Job, NoSpace, check_space, progress_bar
 from ignite_ext.data.download._parallel import Segment, fetch_segments, plan_segments
 from ignite_ext.data.download._partial import ORPHAN_MAX_AGE_S, Partial, claim, park
 from ignite_ext.data.download._verify import CHUNK, expected_digests, is_valid, mismatch, remember_digests
@@ -68,26 +67,6 @@ logger = logging.getLogger("ignite_ext.data.download")
 _BOOKKEEPING = re.compile(
     r"\..+\.(?:lock|verified\.json|failed\.json|part|part\.json|tmp|tmp\.json|extract\.lock|extracting|old)"
 )
-
-
-@dataclass(frozen=True)
-class _Job:
-    """What every attempt of one call needs to know."""
-
-    expected: Mapping[str, str]
-    timeout: float
-    retries: int
-    progress: bool
-    ends_at: float | None  # time.monotonic() past which this call gives up
-    connections: int = 1
-
-    def check_deadline(self, url: str) -> None:
-        if self.ends_at is not None and time.monotonic() > self.ends_at:
-            raise _DeadlinePassed(f"{url}: gave up: the deadline passed")
-
-
-class _DeadlinePassed(DownloadError):
-    """The call's ``deadline`` passed; not retried."""
 
 
 def download_url(
@@ -184,7 +163,7 @@ def download_url(
                     raise_shared_failure(target, urls)
                 ends_at = None if deadline is None else time.monotonic() + deadline
                 try:
-                    _fetch(target, urls, _Job(expected, timeout, retries, progress, ends_at, connections))
+                    _fetch(target, urls, Job(expected, timeout, retries, progress, ends_at, connections))
                 except DownloadError as exc:
                     share_failure(target, urls, exc)
                     raise
@@ -211,7 +190,7 @@ def _lock_path(target: Path) -> Path:
     return target.with_name(f".{sidecar_stem(target.name)}.lock")
 
 
-def _fetch(target: Path, urls: Sequence[str], job: _Job) -> None:
+def _fetch(target: Path, urls: Sequence[str], job: Job) -> None:
     partial = claim(target, urls, set(job.expected))
     published = False
     try:
@@ -235,7 +214,7 @@ def _fetch(target: Path, urls: Sequence[str], job: _Job) -> None:
                 published = True
                 return
             failures.append(failure)
-            if isinstance(failure, _DeadlinePassed):
+            if isinstance(failure, DeadlinePassed):
                 break
         raise _combined(failures)
     finally:
@@ -244,7 +223,7 @@ def _fetch(target: Path, urls: Sequence[str], job: _Job) -> None:
             park(partial, target, urls[0])
 
 
-def _fetch_from(url: str, partial: Partial, target: Path, job: _Job) -> DownloadError | None:
+def _fetch_from(url: str, partial: Partial, target: Path, job: Job) -> DownloadError | None:
     """Try ``url`` until ``partial`` holds the verified file (None) or the URL is given up (the error)."""
     failures = 0
     last: RetryableError | None = None
@@ -255,8 +234,8 @@ def _fetch_from(url: str, partial: Partial, target: Path, job: _Job) -> Download
             if last is not None:
                 _sleep(backoff_delay(failures - 1, last.retry_after), job, url)
             _transfer(url, partial, target, job)
-        except (_DeadlinePassed, _NoSpace) as exc:
-            partial.discard = partial.discard or isinstance(exc, _NoSpace)
+        except (DeadlinePassed, NoSpace) as exc:
+            partial.discard = partial.discard or isinstance(exc, NoSpace)
             return exc
         except RangeMismatch as exc:
             # The server's range replies cannot continue these bytes: whole bodies only, for the rest of the call.
@@ -285,7 +264,7 @@ def _fetch_from(url: str, partial: Partial, target: Path, job: _Job) -> Download
     return DownloadError(f"{url}: gave up after {attempts}: {str(last).removeprefix(url + ': ')}", url=url)
 
 
-def _sleep(seconds: float, job: _Job, url: str) -> None:
+def _sleep(seconds: float, job: Job, url: str) -> None:
     if job.ends_at is not None and time.monotonic() + seconds > job.ends_at:
         time.sleep(max(0.0, job.ends_at - time.monotonic()))
         job.check_deadline(url)
@@ -297,7 +276,7 @@ def _checksum_error(url: str, algorithm: str, expected: str, actual: str) -> Che
     return ChecksumError(message, algorithm=algorithm, expected=expected, actual=actual, url=url)
 
 
-def _transfer(url: str, partial: Partial, target: Path, job: _Job) -> None:
+def _transfer(url: str, partial: Partial, target: Path, job: Job) -> None:
     """Make ``partial`` hold the whole body of ``url``, resuming from its bytes when they are from ``url``."""
     same_source = partial.url == url and not partial.no_resume
     offset = partial.size if same_source else 0
@@ -313,8 +292,8 @@ def _transfer(url: str, partial: Partial, target: Path, job: _Job) -> None:
         partial.note_source(url, response.validator, response.total if response.total is not None else partial.total)
         if response.complete:
             return
-        _check_space(url, target, (response.end or 0) - partial.size)
-        with _progress_bar(job.progress, response.total, partial.size, partial.label) as bar:
+        check_space(url, target, (response.end or 0) - partial.size)
+        with progress_bar(job.progress, response.total, partial.size, partial.label) as bar:
             segments = _segments(response, partial, job)
             if segments is not None:
                 logger.info("fetching %s over %d connections", url, len(segments))
@@ -339,7 +318,7 @@ def _transfer(url: str, partial: Partial, target: Path, job: _Job) -> None:
         raise RetryableError(f"{url}: connection closed after {partial.size} of {expected_end} bytes")
 
 
-def _segments(response: Response, partial: Partial, job: _Job) -> list[Segment] | None:
+def _segments(response: Response, partial: Partial, job: Job) -> list[Segment] | None:
     """The segments of a parallel fetch of the rest of ``response``, or None to stream it."""
     if job.connections < 2 or partial.no_resume or not response.ranges or response.total is None:
         return None
@@ -349,51 +328,11 @@ def _segments(response: Response, partial: Partial, job: _Job) -> list[Segment] 
     return segments if len(segments) > 1 else None
 
 
-def _check_space(url: str, target: Path, needed: int) -> None:
-    """Refuse up front a body the disk cannot hold (when its size is known)."""
-    if needed <= 0:
-        return
-    try:
-        free = shutil.disk_usage(target.parent).free
-    except OSError:
-        return
-    if needed > free:
-        raise _NoSpace(
-            f"{url}: {target.parent} has {free} bytes free, but the file needs {needed} more; nothing was written",
-            url=url,
-        )
-
-
-class _NoSpace(DownloadError):
-    """The disk cannot hold the file; not retried."""
-
-
 def _read(body: IO[bytes], url: str) -> bytes:
     try:
         return body.read1(CHUNK)  # type: ignore[attr-defined,no-any-return]  # what has arrived, not CHUNK bytes
     except Exception as exc:  # socket errors, timeouts, IncompleteRead: all mean "try again"
         raise RetryableError(f"{url}: {type(exc).__name__}: {exc}") from exc
-
-
-class _NoBar:
-    """What the progress bar is where none is shown (tqdm is not even imported then)."""
-
-    def __enter__(self) -> _NoBar:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-    def update(self, n: int) -> None:
-        """Nothing to show."""
-
-
-def _progress_bar(enabled: bool, total: int | None, initial: int, label: str) -> Any:
-    if not (enabled and sys.stderr.isatty()):  # a job log gets no carriage returns
-        return _NoBar()
-    from tqdm.auto import tqdm  # only a process that shows a bar imports it
-
-    return tqdm(total=total, initial=initial, unit="B", unit_scale=True, unit_divisor=1024, desc=label, leave=False)
 
 
 def _publish(partial: Partial, target: Path) -> None:

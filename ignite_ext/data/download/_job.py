@@ -1,0 +1,78 @@
+"""What every attempt of one ``download_url`` call shares: its options and deadline, space checks, progress bars.
+
+.. versionadded:: 0.2.0
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ignite_ext.errors import DownloadError
+
+__all__ = ["DeadlinePassed", "Job", "NoBar", "NoSpace", "check_space", "progress_bar"]
+
+
+@dataclass(frozen=True)
+class Job:
+    """What every attempt of one call needs to know."""
+
+    expected: Mapping[str, str]
+    timeout: float
+    retries: int
+    progress: bool
+    ends_at: float | None  # time.monotonic() past which this call gives up
+    connections: int = 1
+
+    def check_deadline(self, url: str) -> None:
+        if self.ends_at is not None and time.monotonic() > self.ends_at:
+            raise DeadlinePassed(f"{url}: gave up: the deadline passed")
+
+
+class DeadlinePassed(DownloadError):
+    """The call's ``deadline`` passed; not retried."""
+
+
+def check_space(url: str, target: Path, needed: int) -> None:
+    """Refuse up front a body the disk cannot hold (when its size is known)."""
+    if needed <= 0:
+        return
+    try:
+        free = shutil.disk_usage(target.parent).free
+    except OSError:
+        return
+    if needed > free:
+        raise NoSpace(
+            f"{url}: {target.parent} has {free} bytes free, but the file needs {needed} more; nothing was written",
+            url=url,
+        )
+
+
+class NoSpace(DownloadError):
+    """The disk cannot hold the file; not retried."""
+
+
+class NoBar:
+    """What the progress bar is where none is shown (tqdm is not even imported then)."""
+
+    def __enter__(self) -> NoBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def update(self, n: int) -> None:
+        """Nothing to show."""
+
+
+def progress_bar(enabled: bool, total: int | None, initial: int, label: str) -> Any:
+    if not (enabled and sys.stderr.isatty()):  # a job log gets no carriage returns
+        return NoBar()
+    from tqdm.auto import tqdm  # only a process that shows a bar imports it
+
+    return tqdm(total=total, initial=initial, unit="B", unit_scale=True, unit_divisor=1024, desc=label, leave=False)
