@@ -1,5 +1,9 @@
 """One process fetches one file from a loopback server that limits every connection: parallel ranges vs one stream.
 
+Methods: ``ignite_ext xK`` is ``download_url(..., connections=K)``; ``torch.hub`` is
+``torch.hub.download_url_to_file``; ``torchvision`` is ``torchvision.datasets.utils.download_url``; ``pooch`` is
+``pooch.retrieve``.
+
 Servers and CDNs often cap each flow (per-connection rate limits, TCP windows over long links), so one stream
 cannot use the bandwidth there is. The server here paces every connection to :data:`CONN_MBPS` on its own. In one
 run and against the same server: ``ignite_ext.data.download_url`` with 1, 4 and 8 connections, and the peers'
@@ -89,15 +93,15 @@ def run(quick: bool = False) -> dict[str, Any]:
     sha256, md5 = hashlib.sha256(data).hexdigest(), hashlib.md5(data).hexdigest()
     peers_python, why_not = _peers_python()
     methods: list[tuple[str, str, str]] = [
-        ("ignite_ext download_url, 1 connection", sys.executable, "1"),
-        ("ignite_ext download_url, 4 connections", sys.executable, "4"),
-        ("ignite_ext download_url, 8 connections", sys.executable, "8"),
-        ("torch.hub download_url_to_file", sys.executable, "torch.hub"),
+        ("ignite_ext x1", sys.executable, "1"),
+        ("ignite_ext x4", sys.executable, "4"),
+        ("ignite_ext x8", sys.executable, "8"),
+        ("torch.hub", sys.executable, "torch.hub"),
     ]
     if peers_python is not None:
         methods += [
-            ("torchvision download_url", peers_python, "torchvision"),
-            ("pooch retrieve", peers_python, "pooch"),
+            ("torchvision", peers_python, "torchvision"),
+            ("pooch", peers_python, "pooch"),
         ]
     times: dict[str, list[float]] = {label: [] for label, _, _ in methods}
     with TestHTTPServer(conn_bps=CONN_MBPS * _MB) as server:
@@ -116,7 +120,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         for label, _, _ in methods
     ]
     by = {r["method"]: r["speed-up vs 1 connection"] for r in rows}
-    four, eight = by["ignite_ext download_url, 4 connections"], by["ignite_ext download_url, 8 connections"]
+    four, eight = by["ignite_ext x4"], by["ignite_ext x8"]
     peers = "; ".join(f"{r['method']} {r['speed-up vs 1 connection']}x" for r in rows[3:])
     summary = (
         f"One {size // _MB} MB file from a loopback server pacing each connection to {CONN_MBPS} MB/s. "
