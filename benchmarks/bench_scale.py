@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
 import platform
 import signal
@@ -111,21 +112,45 @@ def _detect(local_rank: int, out: str, k: int) -> None:
     Path(out, f"rank{rank}.json").write_text(json.dumps({"at": time.time(), "dead": []}))
 
 
-def _run_world(fn: Any, nproc: int, env: dict[str, str], *args: Any) -> Path:
-    import ignite_ext.distributed as idist
+def _rank_main(fn: Any, rank: int, nproc: int, port: int, env: dict[str, str], args: tuple[Any, ...]) -> None:
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(nproc),
+            "LOCAL_WORLD_SIZE": str(nproc),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+            **env,
+        }
+    )
+    import ignite.distributed as ignite_idist
 
-    os.environ.update({"OMP_NUM_THREADS": "1", **env})
+    ignite_idist.initialize("gloo")
+    fn(rank, *args)
+    os._exit(0)  # a rank whose peers were killed must not block in a destructor
+
+
+def _run_world(fn: Any, nproc: int, env: dict[str, str], *args: Any) -> Path:
+    """Run ``fn(local_rank, out, *args)`` on ``nproc`` gloo ranks; a killed rank does not take the others down.
+
+    (``idist.Parallel`` terminates every rank as soon as one dies, which would hide what the survivors do.)
+    """
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "ignite.distributed", "ignite_ext.distributed"])
     out = Path(tempfile.mkdtemp(prefix="ignite_ext_bench_scale_"))
-    try:
-        with idist.Parallel(
-            backend="gloo", nproc_per_node=nproc, master_addr="127.0.0.1", master_port=_free_port()
-        ) as parallel:
-            parallel.run(fn, str(out), *args)
-    except Exception:  # the detection runs end with killed ranks: the launcher reports them
-        pass
-    finally:
-        for key in env:
-            os.environ.pop(key, None)
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, nproc, port, env, (str(out), *args))) for r in range(nproc)]
+    for proc in procs:
+        proc.start()
+    deadline = time.monotonic() + 600
+    for proc in procs:
+        proc.join(max(1.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
     return out
 
 
