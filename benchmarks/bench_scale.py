@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import multiprocessing as mp
 import os
@@ -129,7 +130,10 @@ def _rank_main(fn: Any, rank: int, nproc: int, port: int, env: dict[str, str], a
 
     ignite_idist.initialize("gloo")
     fn(rank, *args)
-    os._exit(0)  # a rank whose peers were killed must not block in a destructor
+    # Exit handlers run (rank 0 keeps the store it hosts until the others have read the last outcome), the rest
+    # of interpreter teardown does not: a rank whose peers were killed must not block in a destructor.
+    atexit._run_exitfuncs()
+    os._exit(0)
 
 
 def _run_world(fn: Any, nproc: int, env: dict[str, str], *args: Any) -> Path:
