@@ -6,7 +6,7 @@ See :mod:`ignite_ext.distributed._channel` for the protocol and :mod:`ignite_ext
 (``.../wake/<rank>``). Whoever completes what it waits for sets that key: the rank whose ``add`` makes every rank
 entered (rank 0's key), rank 0 posting the verdict (every other rank's keys, one ``multi_set``), a rank posting
 its outcome (the keys of the ranks whose turn comes after it), the rank whose exit makes every rank left (every
-key). Its own heartbeat thread sets it too, once a slice (half the heartbeat timeout, with jitter) is
+key). Its own heartbeat thread sets it too, once a slice (a third of the heartbeat timeout, with jitter) is
 over, so that the waiter checks its timeout, logs, and checks that its ring successor is alive. A waiter always
 reads its condition after deleting its wake key, so no wake-up is ever lost. A wait therefore costs a few requests
 per slice whatever its length, and a waiter is told within a fraction of a millisecond.
@@ -17,7 +17,7 @@ the successor>``: the beat number, and the beat number of rank ``rank + 1`` as l
 watches its ring successor (one read when a wait starts, then one per slice): ``T`` seconds without a change and
 it is declared dead, exactly once (``compare_set`` of its outcome), and so is every rank after it that beat at
 most twice after the dead rank last saw it (alive, it would have beaten about six times since), at once, in one pass:
-a lost node's ranks are all reported within ``T`` plus at most a slice (``1.5 T``), not one timeout each. A rank
+a lost node's ranks are all reported within ``T`` plus at most a slice (``4/3 T``), not one timeout each. A rank
 is only mistaken for dead when its beat thread cannot run for ``5/6 T`` (25 s at the default): CPython hands the
 GIL to another thread every 5 ms unless a C extension holds it that long. A rank that never beat (it has not
 used a scheduler yet) cannot be told dead from late, and is not declared.

@@ -50,7 +50,7 @@ def body_requests(seconds: float) -> dict[str, Any]:
 
 
 def test_a_wait_costs_a_few_requests_whatever_its_length(world: TestWorld) -> None:
-    # Heartbeat timeout 3 s: slices of ~1.5 s, so a 4 s wait is 3 slices. Polling (the former design) cost hundreds.
+    # Heartbeat timeout 3 s: slices of ~1 s, so a 4 s wait is 4 slices. Polling (the former design) cost hundreds.
     env = {"IGNITE_EXT_HEARTBEAT_TIMEOUT": "3", "IGNITE_EXT_WAIT_LOG_INTERVAL": "60"}
     short = world(body_requests, 0.0, env=env, deadline=90)
     long = world(body_requests, 4.0, env=env, deadline=90)
