@@ -240,10 +240,19 @@ def _block(channel: Channel, order: object, timeout: float | None, state: GroupS
     rank = channel.rank
     world = _agree_on_entry(channel, order, timeout, site)
     assert isinstance(order, Policy)
-    plan = order.plan(world, IdistComm())
-    if not isinstance(order, _BUILTIN):
-        # A policy of the user's must plan alike on every rank, or two ranks could both run "first".
-        agree(lambda: _digest(plan), f"checking the plan of {order!r}", check=_plans_differ)
+    if isinstance(order, _BUILTIN):
+        plan = order.plan(world, IdistComm())
+    else:
+        # A policy of the user's must plan alike on every rank, or two ranks could both run "first"; and its plan
+        # raising on one rank must raise on every rank, not leave the others waiting for that rank's outcome.
+        plans: list[Plan] = []
+
+        def planned() -> str:
+            plans.append(order.plan(world, IdistComm()))
+            return _digest(plans[0])
+
+        agree(planned, f"planning with {order!r}", check=_plans_differ)
+        plan = plans[0]
     turn = plan.turns[rank]
     channel.start(plan)
     try:

@@ -92,3 +92,23 @@ def body_unstable_plan() -> str:
 def test_a_custom_policy_that_plans_differently_on_different_ranks_is_refused_on_every_rank(world: Any) -> None:
     seen = world(body_unstable_plan, nprocs=2, deadline=60)
     assert all("planned differently on different ranks" in s for s in seen), seen
+
+
+class _FailsOnRankOne(idist.Policy):
+    def plan(self, world: Any, comm: Any) -> Any:
+        if idist.get_rank() == 1:
+            raise ValueError("no plan here")
+        return idist.MasterFirst().plan(world, comm)
+
+
+def body_failing_plan() -> str:
+    try:
+        with idist.rank_scheduler(order=_FailsOnRankOne()):
+            return "ran"
+    except ValueError as exc:
+        return str(exc)
+
+
+def test_a_custom_plan_raising_on_one_rank_raises_on_every_rank(world: Any) -> None:
+    seen = world(body_failing_plan, nprocs=2, deadline=60)
+    assert all("rank 1: ValueError: no plan here" in s for s in seen), seen
