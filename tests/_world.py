@@ -271,8 +271,8 @@ class World:
 
     @property
     def collective(self) -> bool:
-        """Whether the scheduler waits with collectives here (Horovod, XLA, the forced channel) or through the store."""
-        return self.name in ("horovod", "xla", "gloo-collective")
+        """Whether the scheduler waits with collectives here (the forced channel) or through a store (every backend)."""
+        return self.name == "gloo-collective"
 
     @property
     def serial(self) -> bool:

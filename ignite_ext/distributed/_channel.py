@@ -2,15 +2,16 @@
 
 Two channels implement one protocol (:class:`Channel`):
 
-* :class:`~ignite_ext.distributed._store_channel.StoreChannel`, on native backends (gloo, nccl, ...): waits go
-  through the process group's key-value store (:mod:`ignite_ext.distributed._store`), never a collective, so a
+* :class:`~ignite_ext.distributed._store_channel.StoreChannel`, on every backend that can reach a store: waits go
+  through the process group's key-value store (:mod:`ignite_ext.distributed._store`; on Horovod and XLA, which
+  have none, a TCPStore that rank 0 hosts: :mod:`ignite_ext.distributed._side_store`), never a collective, so a
   first rank may work far longer than the process group's timeout. Every rank inside a scheduler beats a
   heartbeat key from a daemon thread; a rank whose heartbeat stops (SIGKILL, OOM kill, machine loss) is declared
   dead by whoever waits for it, exactly once, and everyone waiting learns it as a failure instead of hanging.
-* :class:`~ignite_ext.distributed._collective.CollectiveChannel`, everywhere else (Horovod, XLA, or when forced
-  with ``IGNITE_EXT_SCHEDULER_CHANNEL=collective``): all ranks step through the plan's waves in lockstep, one
-  small ``all_gather`` per wave. Waits are bounded by the backend's own collective timeout, and a dead rank is
-  detected only as far as the backend detects it.
+* :class:`~ignite_ext.distributed._collective.CollectiveChannel`, the fallback (Horovod or XLA ranks that cannot
+  all reach rank 0's TCPStore, or when forced with ``IGNITE_EXT_SCHEDULER_CHANNEL=collective``): all ranks step
+  through the plan's waves in lockstep, one small ``all_gather`` per wave. Waits are bounded by the backend's
+  own collective timeout, and a dead rank is detected only as far as the backend detects it.
 
 .. versionadded:: 0.2.0
 """
@@ -38,7 +39,7 @@ __all__ = [
     "log",
     "log_interval",
     "make_channel",
-    "native_store",
+    "scheduler_store",
 ]
 
 _LOGGER_NAME = "ignite_ext.distributed"
@@ -115,12 +116,18 @@ class Channel(ABC):
         """
 
 
-def native_store() -> Store | None:
-    """The store the store channel would use here, or None where the collective channel runs."""
+def scheduler_store() -> Store | None:
+    """The store the store channel uses here, or None where the collective channel runs.
+
+    Native backends: the process group's store. Horovod and XLA: the side-channel store of
+    :mod:`ignite_ext.distributed._side_store` (made by every rank together on the first call).
+    """
     if os.environ.get("IGNITE_EXT_SCHEDULER_CHANNEL", "").lower() == "collective":
         return None
     if idist.model_name() != "native-dist":
-        return None
+        from ignite_ext.distributed._side_store import side_store
+
+        return side_store()
     return default_store()
 
 

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import ignite.distributed as idist
 import torch.utils.data
 
-from ignite_ext.distributed._channel import Channel, make_channel, native_store
+from ignite_ext.distributed._channel import Channel, make_channel, scheduler_store
 from ignite_ext.distributed._collective import IdistComm
 from ignite_ext.distributed._state import GroupState, group_state
 from ignite_ext.distributed.agreement import agree, disagreement
@@ -210,7 +210,7 @@ def rank_scheduler(order: Policy | None = None, *, timeout: float | None = None)
     order = MasterFirst() if order is None else order
     site = _call_site()
     rank, world_size = idist.get_rank(), idist.get_world_size()
-    store = native_store() if world_size > 1 else None
+    store = scheduler_store() if world_size > 1 else None
     state = group_state(store)
     if state.depth > 0:
         with _run_nested(order, state) as nested_turn:

@@ -16,6 +16,7 @@ import hashlib
 import math
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -289,3 +290,36 @@ def killed(victim: int) -> dict[str, Any]:
             os.kill(os.getpid(), signal.SIGKILL)
 
     return observe(block, lambda: idist.one_rank_first(rank=victim), catch=(idist.RankFailedError,))
+
+
+def stopped(victim: int, seconds: float) -> dict[str, Any]:
+    """Like :func:`killed`, but ``victim`` stops (SIGSTOP: hung, alive to any launcher), killed ``seconds`` later."""
+
+    def block(turn: Any) -> None:
+        if idist.get_rank() == victim:
+            subprocess.Popen(["sh", "-c", f"sleep {seconds}; kill -9 {os.getpid()}"], start_new_session=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    return observe(block, lambda: idist.one_rank_first(rank=victim), catch=(idist.RankFailedError,))
+
+
+def channel_in_use(seconds: float, timeout: float) -> dict[str, Any]:
+    """:func:`long_first_rank`, plus the scheduler's log lines of this rank (they say which channel ran)."""
+    import logging
+
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    logger = logging.getLogger("ignite_ext.distributed")
+    handler = Keep()
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        seen = long_first_rank(seconds, timeout)
+    finally:
+        logger.removeHandler(handler)
+    seen["log"] = lines
+    return seen
