@@ -7,6 +7,7 @@ import logging
 import multiprocessing as mp
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -304,7 +305,7 @@ def test_segments_of_a_killed_run_are_swept_by_the_next() -> None:
     assert proc.stdout is not None
     segment = proc.stdout.readline().strip()
     lock = segment.replace(".arena", ".lock")
-    assert os.path.basename(segment).startswith(f"ignite_ext_{proc.pid}_")
+    assert os.path.basename(segment).startswith(f"ignite_ext_{os.geteuid()}_{proc.pid}_cache_")
     assert sweep_stale() == []  # alive: untouched
     proc.kill()
     proc.communicate(timeout=30)
@@ -312,7 +313,7 @@ def test_segments_of_a_killed_run_are_swept_by_the_next() -> None:
     ds = CachedDataset([1], capacity_bytes=1 << 20)  # a new cache sweeps what dead creators left
     assert not os.path.exists(segment) and not os.path.exists(lock)
     ds.close()
-    assert not [n for n in os.listdir(shm.SHM_DIR) if n.startswith(f"ignite_ext_{proc.pid}_")]
+    assert not [n for n in os.listdir(shm.SHM_DIR) if n.startswith(f"ignite_ext_{os.geteuid()}_{proc.pid}_")]
 
 
 @pytest.mark.distributed
@@ -374,9 +375,18 @@ def test_a_sample_pickle_refuses_is_served_uncached() -> None:
     ds.close()
 
 
-def test_default_capacity_leaves_room_promised_to_live_caches() -> None:
+@contextlib.contextmanager
+def shm_directory() -> Iterator[str]:
+    """A fresh directory in the shared-memory tmpfs, removed afterwards with what is left in it (the creation lock)."""
     directory = tempfile.mkdtemp(dir=shm.SHM_DIR)
     try:
+        yield directory
+    finally:
+        shutil.rmtree(directory)
+
+
+def test_default_capacity_leaves_room_promised_to_live_caches() -> None:
+    with shm_directory() as directory:
         first = Arena.create(1, directory=directory)
         second = Arena.create(1, directory=directory)
         # The second default is half of what the first has not claimed yet, not half of the (sparse) free space.
@@ -384,8 +394,6 @@ def test_default_capacity_leaves_room_promised_to_live_caches() -> None:
         assert shm.promised_bytes(directory) >= first.capacity + second.capacity - (1 << 20)
         first.close()
         second.close()
-    finally:
-        os.rmdir(directory)
 
 
 def _create_default(directory: str, share: int, start: Any, done: Any, out: Any) -> None:
@@ -407,21 +415,19 @@ def creators(count: int) -> Iterator[tuple[str, Any, Any, list[Any]]]:
     errors and the processes; afterwards lets them close their arenas, reaps them and removes the directory.
     """
     ctx = mp.get_context("fork")
-    directory = tempfile.mkdtemp(dir=shm.SHM_DIR)
-    start, done, out = ctx.Barrier(count + 1), ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=_create_default, args=(directory, 1, start, done, out)) for _ in range(count)]
-    try:
-        yield directory, start, out, procs
-    finally:
-        done.set()
-        for p in procs:
-            if p.pid is not None:
-                p.join(timeout=30)
-                if p.is_alive():
-                    p.kill()
-                    p.join()
-        shm.sweep_stale(directory)
-        os.rmdir(directory)
+    with shm_directory() as directory:
+        start, done, out = ctx.Barrier(count + 1), ctx.Event(), ctx.Queue()
+        procs = [ctx.Process(target=_create_default, args=(directory, 1, start, done, out)) for _ in range(count)]
+        try:
+            yield directory, start, out, procs
+        finally:
+            done.set()
+            for p in procs:
+                if p.pid is not None:
+                    p.join(timeout=30)
+                    if p.is_alive():
+                        p.kill()
+                        p.join()
 
 
 @pytest.mark.distributed
@@ -447,21 +453,18 @@ def test_creation_waits_while_another_process_sizes_its_cache() -> None:
             procs[0].start()  # forked while the lock is held: it shares the descriptor, yet must not keep the lock
             start.wait(timeout=30)
             time.sleep(0.5)
-            assert out.empty() and not os.listdir(directory)  # blocked on the lock
+            assert out.empty() and not [n for n in os.listdir(directory) if shm.NAME_RE.match(n)]  # blocked
         assert isinstance(out.get(timeout=30), int)
 
 
 def test_ranks_of_a_node_split_the_default_capacity() -> None:
-    directory = tempfile.mkdtemp(dir=shm.SHM_DIR)
-    try:
+    with shm_directory() as directory:
         whole = Arena.create(1, directory=directory)
         whole_capacity = whole.capacity
         whole.close()
         quarter = Arena.create(1, directory=directory, share=4)
         assert quarter.capacity == pytest.approx(whole_capacity / 4, rel=0.01)
         quarter.close()
-    finally:
-        os.rmdir(directory)
 
 
 @pytest.mark.distributed

@@ -17,7 +17,7 @@ publish time and its range is simply not used.
 The lock is ``flock`` on a small ``.lock`` file next to the arena: the kernel releases it when its holder dies, so a
 SIGKILLed worker cannot wedge the others. The creating process also holds a shared ``flock`` on the arena for its
 whole life; that, and a file name carrying its pid, is how a later process tells an arena left behind by a killed
-run (and sweeps it) from one still in use.
+run (and sweeps it) from one still in use; see :mod:`~ignite_ext.data.cache.shm` for the names.
 
 .. versionadded:: 0.1.0
 """
@@ -28,7 +28,6 @@ import contextlib
 import fcntl
 import mmap
 import os
-import secrets
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -144,12 +143,13 @@ class Arena:
             free = shm.available_bytes(directory)
             if capacity is None:
                 # Arenas fill lazily: what live caches may still claim is not free for a new default.
-                unclaimed = free - shm.promised_bytes(directory)
+                unclaimed = max(0, free - shm.promised_bytes(directory))
                 capacity = int((unclaimed - data_off) * shm.DEFAULT_FRACTION / max(1, share)) // ALIGN * ALIGN
                 if capacity < MIN_CAPACITY:
                     raise ShmSpaceError(
-                        f"{directory} has {free} bytes free, {unclaimed} of them not promised to other caches; a cache "
-                        f"of {n} samples needs {data_off} bytes for its index plus at least {MIN_CAPACITY} for data. "
+                        f"{directory} has {free} bytes free, {unclaimed} of them not promised to this user's other "
+                        f"caches; a cache of {n} samples needs {data_off} bytes for its index plus at least "
+                        f"{MIN_CAPACITY} for data. "
                         "Enlarge it (e.g. docker run --shm-size=8g) or pass capacity_bytes."
                     )
             elif data_off + capacity > free:
@@ -157,7 +157,7 @@ class Arena:
                     f"capacity_bytes={capacity} plus {data_off} bytes of index exceed the {free} bytes free in "
                     f"{directory}; lower capacity_bytes or enlarge {directory}"
                 )
-            stem = os.path.join(directory, f"ignite_ext_{os.getpid()}_cache_{secrets.token_hex(8)}")
+            stem = shm.arena_stem(directory)
             path = stem + ".arena"
             os.close(os.open(stem + ".lock", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
             arena_fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)

@@ -1,8 +1,16 @@
 """The shared-memory directory that caches live in: free space, what live caches may still claim, stale arenas.
 
-Arenas are named ``ignite_ext_<pid>_cache_<random>.arena`` (with a ``.lock`` beside), ``<pid>`` being the process
-that created the cache: with the liveness ``flock`` that process holds on it, that is how :func:`sweep_stale` tells
-an arena left by a killed run from one in use.
+Arenas are named ``ignite_ext_<uid>_<pid>_cache_<random>.arena`` (with a ``.lock`` beside), ``<uid>`` and ``<pid>``
+being the user and the process that created the cache: with the liveness ``flock`` that process holds on it, that
+is how :func:`sweep_stale` tells an arena left by a killed run from one in use.
+
+The directory is shared with other users (``/dev/shm`` is world-writable), so everything here considers only the
+caller's own files: named with its user id *and* owned by it (a regular file, not a link), since anyone can
+create a file of any name. Another user's arenas, stale or live, and files forged to look like the caller's (a
+sparse file with a huge apparent size, a name of a live pid) are never opened, counted or deleted. Caches that
+are created at the same moment take turns on the user's own creation lock, ``ignite_ext_<uid>.lock`` (an empty
+file left in place: deleting a lock file others may be opening would let two of them hold it); if another user
+has taken that name first, creation goes ahead without it rather than not at all.
 
 .. versionadded:: 0.2.0
 """
@@ -13,6 +21,8 @@ import contextlib
 import fcntl
 import os
 import re
+import secrets
+import stat
 from collections.abc import Iterable, Iterator
 
 from ignite_ext._fs import pid_alive
@@ -24,6 +34,7 @@ __all__ = [
     "NAME_RE",
     "SHM_DIR",
     "ShmSpaceError",
+    "arena_stem",
     "available_bytes",
     "directory_lock",
     "mapped_pss",
@@ -38,8 +49,54 @@ SHM_DIR = "/dev/shm"
 DEFAULT_FRACTION = 0.5
 #: Smallest data capacity worth creating a cache for.
 MIN_CAPACITY = 1 << 20
-#: The names of arenas and their lock files; group 1 is the creating pid.
-NAME_RE = re.compile(r"^ignite_ext_(\d+)_cache_[0-9a-f]+\.(arena|lock)$")
+#: The names of arenas and their lock files: the creating user's id, the creating pid, the kind of file.
+NAME_RE = re.compile(r"^ignite_ext_(?P<uid>\d+)_(?P<pid>\d+)_cache_[0-9a-f]+\.(?P<kind>arena|lock)$")
+
+
+def arena_stem(directory: str) -> str:
+    """A fresh path, without suffix, for an arena of this user and process in ``directory``.
+
+    Examples:
+        >>> import os
+        >>> from ignite_ext.data.cache.shm import NAME_RE, arena_stem
+        >>> found = NAME_RE.match(os.path.basename(arena_stem("/dev/shm")) + ".arena")
+        >>> int(found["uid"]) == os.geteuid() and int(found["pid"]) == os.getpid()
+        True
+
+    .. versionadded:: 0.2.0
+    """
+    return os.path.join(directory, f"ignite_ext_{os.geteuid()}_{os.getpid()}_cache_{secrets.token_hex(8)}")
+
+
+def _own_files(directory: str) -> list[tuple[str, re.Match[str], os.stat_result]]:
+    """This user's arena and lock files in ``directory``: name, its match and ``lstat``; nothing of anyone else's."""
+    uid = os.geteuid()
+    found = []
+    with contextlib.suppress(FileNotFoundError), os.scandir(directory) as entries:
+        for entry in entries:
+            match = NAME_RE.match(entry.name)
+            if match is None or int(match["uid"]) != uid:
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode) and st.st_uid == uid:  # a forger can choose the name, not the owner
+                found.append((entry.name, match, st))
+    return found
+
+
+def _open_own(path: str, flags: int) -> int | None:
+    """Open ``path`` if it is a regular file of this user's (never through a link), else None."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return None
+    st = os.fstat(fd)
+    if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+        return fd
+    os.close(fd)
+    return None
 
 
 def available_bytes(directory: str = SHM_DIR) -> int:
@@ -57,10 +114,14 @@ def available_bytes(directory: str = SHM_DIR) -> int:
 
 
 def promised_bytes(directory: str = SHM_DIR) -> int:
-    """Bytes that the cache arenas in ``directory`` may still allocate: their capacity not yet backed by pages.
+    """Bytes that this user's cache arenas in ``directory`` may still allocate: their capacity not yet backed by pages.
+
+    Other users' arenas are not counted (nor can a file of theirs, however large it claims to be, shrink this
+    user's caches): what they fill meanwhile is free space that is gone, which :meth:`Arena.reserve
+    <ignite_ext.data.cache.arena.Arena.reserve>` handles by serving samples uncached.
 
     Examples:
-        >>> import os, tempfile
+        >>> import shutil, tempfile
         >>> from ignite_ext.data.cache.arena import Arena
         >>> from ignite_ext.data.cache.shm import SHM_DIR, promised_bytes
         >>> directory = tempfile.mkdtemp(dir=SHM_DIR)
@@ -68,25 +129,21 @@ def promised_bytes(directory: str = SHM_DIR) -> int:
         >>> promised_bytes(directory) > 1_000_000  # the whole data area: no sample stored yet
         True
         >>> arena.close()
-        >>> os.rmdir(directory)
+        >>> shutil.rmtree(directory)
 
     .. versionadded:: 0.1.0
     """
-    total = 0
-    with contextlib.suppress(FileNotFoundError), os.scandir(directory) as entries:
-        for entry in entries:
-            if entry.name.endswith(".arena") and NAME_RE.match(entry.name):
-                with contextlib.suppress(FileNotFoundError):
-                    st = entry.stat()
-                    total += max(0, st.st_size - st.st_blocks * 512)
-    return total
+    return sum(
+        max(0, st.st_size - st.st_blocks * 512) for _, match, st in _own_files(directory) if match["kind"] == "arena"
+    )
 
 
 def sweep_stale(directory: str = SHM_DIR) -> list[str]:
-    """Delete the arenas (and lock files) of caches whose creating process is gone; return the removed paths.
+    """Delete this user's arenas (and lock files) of caches whose creating process is gone; return the removed paths.
 
     An arena is only removed when both its creator pid is dead and nobody holds its liveness lock, so an arena
-    of a live process (also one in another pid namespace sharing this tmpfs) is never touched.
+    of a live process (also one in another pid namespace sharing this tmpfs) is never touched. Only the caller's
+    own files are considered (see the module docstring); one that cannot be opened or deleted is skipped.
 
     Examples:
         >>> from ignite_ext.data.cache.shm import sweep_stale
@@ -96,29 +153,31 @@ def sweep_stale(directory: str = SHM_DIR) -> list[str]:
     .. versionadded:: 0.1.0
     """
     removed: list[str] = []
-    try:
-        names = os.listdir(directory)
-    except FileNotFoundError:
-        return removed
     me = os.getpid()
-    for name in sorted(names):
-        match = NAME_RE.match(name)
-        if match is None or int(match.group(1)) == me or pid_alive(int(match.group(1))):
+    for name, match, _ in _own_files(directory):
+        pid = int(match["pid"])
+        if pid == me or pid_alive(pid):
             continue
         path = os.path.join(directory, name)
-        if match.group(2) == "arena":
-            if not _unused(path):
-                continue
-            removed += remove_files([path, path[: -len(".arena")] + ".lock"])
-        elif not os.path.exists(path[: -len(".lock")] + ".arena"):
+        if match["kind"] == "arena":
+            if _unused(path):
+                removed += remove_files([path, path[: -len(".arena")] + ".lock"])
+        elif not os.path.lexists(path[: -len(".lock")] + ".arena"):
             removed += remove_files([path])
     return removed
 
 
 @contextlib.contextmanager
 def directory_lock(directory: str) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on ``directory`` itself (no lock file to leave behind; released if we die)."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    """Hold this user's creation lock of ``directory``: an exclusive ``flock`` on its ``ignite_ext_<uid>.lock``.
+
+    The kernel releases it if the holder dies. If that name is another user's (or cannot be opened), the block
+    runs without the lock: creations at the same moment may then size their defaults without seeing each other.
+    """
+    fd = _open_own(os.path.join(directory, f"ignite_ext_{os.geteuid()}.lock"), os.O_RDWR | os.O_CREAT)
+    if fd is None:
+        yield
+        return
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         try:
@@ -132,13 +191,12 @@ def directory_lock(directory: str) -> Iterator[None]:
 
 
 def _unused(path: str) -> bool:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
+    fd = _open_own(path, os.O_RDONLY)
+    if fd is None:
         return False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    except OSError:  # BlockingIOError: its creator (or a process it forked) still holds it
         return False
     finally:
         os.close(fd)
@@ -146,7 +204,7 @@ def _unused(path: str) -> bool:
 
 
 def remove_files(paths: Iterable[str]) -> list[str]:
-    """Delete ``paths``; return those this call deleted (the others were gone already).
+    """Delete ``paths``; return those this call deleted (the others were gone already, or cannot be deleted).
 
     Examples:
         >>> from ignite_ext.data.cache.shm import remove_files
@@ -157,7 +215,7 @@ def remove_files(paths: Iterable[str]) -> list[str]:
     """
     done = []
     for path in paths:
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):
             os.unlink(path)
             done.append(path)
     return done
@@ -187,6 +245,6 @@ def mapped_pss(path: str, pids: Iterable[int]) -> int:
                         inside = line.rstrip("\n").endswith(" " + path)
                     elif inside and line.startswith("Pss:"):
                         total += int(line.split()[1]) * 1024
-        except (FileNotFoundError, ProcessLookupError):
+        except (FileNotFoundError, ProcessLookupError, PermissionError):  # gone, or another user's: counts 0
             continue
     return total
