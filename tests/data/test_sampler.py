@@ -412,15 +412,9 @@ def test_state_counts_only_the_latest_iterator() -> None:
 
 
 @pytest.mark.parametrize(
-    ("change", "key"),
-    [
-        ({"num_replicas": 3, "rank": 2}, "num_replicas"),
-        ({"seed": 1}, "seed"),
-        ({"dataset": range(50)}, "dataset_len"),
-        ({"shard_by": "node", "nnodes": 2}, "shard_by"),
-    ],
+    "change", [{"num_replicas": 3, "rank": 2}, {"shard_by": "node", "nnodes": 2}], ids=["num_replicas", "shard_by"]
 )
-def test_state_from_another_layout_restarts_the_epoch_with_a_warning(change: dict[str, Any], key: str) -> None:
+def test_state_from_another_world_continues_the_epoch_restriped(change: dict[str, Any]) -> None:
     base: dict[str, Any] = {"dataset": range(60), "num_replicas": 4, "rank": 2, "seed": 0}
     old = ShardedDistributedSampler(**base)
     old.set_epoch(5)
@@ -428,11 +422,30 @@ def test_state_from_another_layout_restarts_the_epoch_with_a_warning(change: dic
     for _ in range(7):
         next(it)
     new = ShardedDistributedSampler(**{**base, **change})
-    with pytest.warns(UserWarning, match=f"different layout.*{key}.*restarting epoch 5"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         new.load_state_dict(old.state_dict())
     assert new.epoch == 5
-    assert list(new) == new.indices(5)  # the whole epoch, on the new shards
-    assert len(new.indices(5)) == len(new)
+    rest = list(new)
+    assert len(rest) == -(-(60 - 4 * 7) // new.num_replicas)  # a share of the 32 left, not a whole epoch
+    assert not set(rest) & {
+        i for r in range(4) for i in ShardedDistributedSampler(**{**base, "rank": r}).indices(5)[:7]
+    }
+    assert list(new) == new.indices(5)  # a second pass of the epoch is the new world's whole epoch
+
+
+@pytest.mark.parametrize(
+    ("change", "key"),
+    [({"seed": 1}, "seed"), ({"dataset": range(50)}, "dataset_len"), ({"shuffle": False}, "shuffle"),
+     ({"drop_last": True}, "drop_last")],
+)  # fmt: skip
+def test_state_from_another_dataset_or_seed_is_an_error(change: dict[str, Any], key: str) -> None:
+    base: dict[str, Any] = {"dataset": range(60), "num_replicas": 4, "rank": 2, "seed": 0}
+    old = ShardedDistributedSampler(**base)
+    new = ShardedDistributedSampler(**{**base, **change})
+    with pytest.raises(ValueError, match=f"saved with {key}=.*this sampler has {key}=.*name other samples"):
+        new.load_state_dict(old.state_dict(consumed=3))
+    assert list(new) == new.indices()  # nothing was loaded
 
 
 def test_bad_states_are_rejected() -> None:

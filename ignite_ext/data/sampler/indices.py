@@ -12,11 +12,20 @@ from __future__ import annotations
 
 import hashlib
 import operator
+from collections.abc import Sequence
 from typing import SupportsIndex, cast
 
 import torch
 
-__all__ = ["check_index", "check_int", "node_shard_indices", "samples_per_replica", "shard_bounds", "shard_indices"]
+__all__ = [
+    "check_index",
+    "check_int",
+    "node_shard_indices",
+    "pool_order",
+    "samples_per_replica",
+    "shard_bounds",
+    "shard_indices",
+]
 
 
 def check_int(name: str, value: object, minimum: int | None = None) -> int:
@@ -123,20 +132,62 @@ def samples_per_replica(n: int, num_replicas: int, drop_last: bool = False) -> i
     return n // num_replicas if drop_last else -(-n // num_replicas)
 
 
-def _shard_seed(seed: int, epoch: int, shard: int) -> int:
+def _shard_seed(seed: int, epoch: int, shard: int, segment: int = 0) -> int:
     # Hash the triple rather than add seed + epoch: with a sum, (seed=0, epoch=1) and (seed=1, epoch=0) would
-    # shuffle alike, and shard s of one epoch would collide with shard s-1 of the next.
-    digest = hashlib.blake2b(f"{seed}:{epoch}:{shard}".encode(), digest_size=8).digest()
+    # shuffle alike, and shard s of one epoch would collide with shard s-1 of the next. A restriped segment of an
+    # epoch (segment >= 1, after a change of world size) hashes a fourth field, so its orders are independent of
+    # the segment-0 orders while every fresh epoch keeps the orders it always had.
+    key = f"{seed}:{epoch}:{shard}" if segment == 0 else f"{seed}:{epoch}:{shard}:{segment}"
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
 
 
-def _epoch_order(n: int, num_shards: int, shard: int, length: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
-    start, stop = shard_bounds(n, num_shards, shard)
+def pool_order(
+    pool: Sequence[int],
+    num_shards: int,
+    shard: int,
+    length: int,
+    seed: int,
+    epoch: int,
+    shuffle: bool,
+    segment: int = 0,
+) -> list[int]:
+    """Return one shard's ``length`` indices of one epoch, cut from ``pool`` (the epoch's indices, ascending).
+
+    The shard owns positions :func:`shard_bounds` ``(len(pool), num_shards, shard)`` of ``pool``; it is padded
+    with its own samples or trimmed to ``length`` (a window that moves on each epoch), then shuffled with a
+    generator seeded by ``(seed, epoch, shard, segment)``. A fresh epoch is ``pool = range(n)`` with
+    ``segment=0`` (what :func:`shard_indices` and :func:`node_shard_indices` yield); the rest of an epoch
+    restriped over a new world is the sorted remaining indices with the segment's number
+    (:mod:`ignite_ext.data.sampler.restripe`).
+
+    Args:
+        pool: the indices to deal, ascending.
+        num_shards: number of shards, ``>= 1``.
+        shard: this shard, ``0 <= shard < num_shards``.
+        length: how many indices the shard yields, ``>= 0``.
+        seed: base seed.
+        epoch: epoch number.
+        shuffle: shuffle the shard's order.
+        segment: which world of the epoch deals ``pool``: 0 for the world the epoch started on.
+
+    Returns:
+        ``length`` indices of ``pool``.
+
+    Examples:
+        >>> from ignite_ext.data.sampler.indices import pool_order
+        >>> pool_order([1, 4, 5, 8, 9], 2, 1, 3, seed=0, epoch=0, shuffle=False)
+        [8, 9, 8]
+
+    .. versionadded:: 0.2.0
+    """
+    size_of_pool = len(pool)
+    start, stop = shard_bounds(size_of_pool, num_shards, shard)
     if start == stop and length > 0:
-        # An empty shard (only possible when n < num_shards) has nothing of its own to pad with; it borrows one
-        # fixed sample so that its set, like every other shard's, is the same in every epoch.
-        start, stop = shard % n, shard % n + 1
-    own = list(range(start, stop))
+        # An empty shard (only possible when the pool is smaller than num_shards) has nothing of its own to pad
+        # with; it borrows one fixed sample so that its set, like every other shard's, is the same in every epoch.
+        start, stop = shard % size_of_pool, shard % size_of_pool + 1
+    own = pool[start:stop]
     size = len(own)
     if length <= size:
         # Drop a window of positions that moves on by its own width each epoch, so that over ceil(size / drop)
@@ -147,11 +198,11 @@ def _epoch_order(n: int, num_shards: int, shard: int, length: int, seed: int, ep
     else:
         # Pad with the shard's own samples, a different window each epoch, never with another shard's samples.
         pad = length - size
-        kept = own + [own[(epoch * pad + j) % size] for j in range(pad)]
+        kept = [*own, *(own[(epoch * pad + j) % size] for j in range(pad))]
     if not shuffle:
         return kept
     generator = torch.Generator()
-    generator.manual_seed(_shard_seed(seed, epoch, shard))
+    generator.manual_seed(_shard_seed(seed, epoch, shard, segment))
     return [kept[i] for i in torch.randperm(length, generator=generator).tolist()]
 
 
@@ -203,7 +254,8 @@ def shard_indices(
     """
     length = samples_per_replica(n, num_shards, drop_last)
     shard = check_index("shard", shard, "num_shards", num_shards)
-    return _epoch_order(n, num_shards, shard, length, check_int("seed", seed), check_int("epoch", epoch), shuffle)
+    n = check_int("n", n, 0)
+    return pool_order(range(n), num_shards, shard, length, check_int("seed", seed), check_int("epoch", epoch), shuffle)
 
 
 def node_shard_indices(
@@ -254,8 +306,8 @@ def node_shard_indices(
     node_rank = check_index("node_rank", node_rank, "nnodes", nnodes)
     local_rank = check_index("local_rank", local_rank, "nproc_per_node", nproc_per_node)
     length = samples_per_replica(n, nnodes * nproc_per_node, drop_last)
-    order = _epoch_order(
-        n,
+    order = pool_order(
+        range(check_int("n", n, 0)),
         nnodes,
         node_rank,
         nproc_per_node * length,

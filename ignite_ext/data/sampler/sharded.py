@@ -6,36 +6,26 @@ only ~0/25/44/58% in epochs 0-3 while growing toward the whole dataset. :class:`
 gives every rank one contiguous, balanced shard for the whole run and only shuffles the order *within* it, so
 from epoch 1 on a per-rank cache hits 100% and holds ``N / R`` samples.
 
-The index maths lives in pure functions of ``(n, num_shards, shard, seed, epoch, drop_last, shuffle)``
-(:func:`shard_bounds`, :func:`samples_per_replica`, :func:`shard_indices`, :func:`node_shard_indices`), so it
-can be checked without processes; the sampler only adds arguments, defaults from :mod:`ignite_ext.distributed`
-and resumable state.
+The index maths lives in pure functions (``indices``, ``restripe``), the arguments' defaults in ``layout`` and the
+saved state's format in ``resume``; this class only ties them to an iteration.
 
 .. versionadded:: 0.1.0
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator, Mapping, Sized
 from typing import Any, Literal, cast
 
 from torch.utils.data import Dataset, DistributedSampler
 
 import ignite_ext.distributed as idist
-from ignite_ext.data.sampler.indices import (
-    check_index,
-    check_int,
-    node_shard_indices,
-    samples_per_replica,
-    shard_indices,
-)
+from ignite_ext.data.sampler.indices import check_int, samples_per_replica
+from ignite_ext.data.sampler.layout import resolve_placement
+from ignite_ext.data.sampler.restripe import Segment
+from ignite_ext.data.sampler.resume import Config, Position, read_state, resumed_order, same_everywhere, write_state
 
 __all__ = ["ShardedDistributedSampler"]
-
-_SHARD_BY: tuple[str, ...] = ("rank", "node")
-# A saved position names the same samples only if all of these match; otherwise its epoch restarts.
-_LAYOUT_KEYS = ("dataset_len", "num_replicas", "shard_by", "num_shards", "seed", "shuffle", "drop_last")
 
 
 class ShardedDistributedSampler(DistributedSampler[int]):
@@ -66,9 +56,9 @@ class ShardedDistributedSampler(DistributedSampler[int]):
     epoch and how many of this epoch's indices were consumed. By default that is the number of indices handed to
     the DataLoader, which equals what the training loop consumed only with ``num_workers=0``; with workers the
     DataLoader runs ahead, so report the loop's own count with :meth:`set_consumed` or
-    ``state_dict(consumed=...)``. Ranks train in lockstep, so the state is the same on every rank and the one
-    saved by rank 0 can be loaded everywhere. A state saved with another world size, dataset size, seed or
-    sharding restarts its epoch on the new shards, with a warning.
+    ``state_dict(consumed=...)`` (with ignite, :class:`~ignite_ext.data.sampler.SamplerHandler` does it). Ranks
+    train in lockstep, so rank 0's copy of the state can be loaded by every rank, also of a world of another
+    size: the rest of the epoch is then restriped over it (:meth:`load_state_dict`).
 
     Args:
         dataset: a map-style dataset with ``__len__`` (assumed not to change size).
@@ -129,6 +119,8 @@ class ShardedDistributedSampler(DistributedSampler[int]):
         True
 
     .. versionadded:: 0.1.0
+    .. versionchanged:: 0.2.0
+        A state saved on another world size continues its epoch (restriped) instead of restarting it.
     """
 
     def __init__(
@@ -148,83 +140,46 @@ class ShardedDistributedSampler(DistributedSampler[int]):
     ) -> None:
         if not isinstance(dataset, Sized):
             raise TypeError(f"dataset must have a length (a map-style dataset), got {type(dataset).__name__}")
-        if shard_by not in _SHARD_BY:
-            raise ValueError(f"shard_by must be one of {list(_SHARD_BY)}, got {shard_by!r}")
-        replicas = check_int("num_replicas", idist.get_world_size() if num_replicas is None else num_replicas, 1)
-        this_rank = check_index("rank", idist.get_rank() if rank is None else rank, "num_replicas", replicas)
+        place = resolve_placement(num_replicas, rank, shard_by, nnodes, node_rank, nproc_per_node, local_rank)
         seed = check_int("seed", seed)
-
-        if shard_by == "node":
-            if nproc_per_node is None:
-                if nnodes is not None:
-                    nnodes = check_int("nnodes", nnodes, 1)
-                    if replicas % nnodes:
-                        raise ValueError(f"num_replicas={replicas} is not a multiple of nnodes={nnodes}")
-                    nproc_per_node = replicas // nnodes
-                elif replicas == idist.get_world_size():
-                    nproc_per_node = idist.get_nproc_per_node()
-                else:
-                    # Guessing a node layout for a world that is not this one would silently pick the wrong shards.
-                    raise ValueError(
-                        f"shard_by='node' with num_replicas={replicas} (the world size is {idist.get_world_size()}) "
-                        "needs nnodes or nproc_per_node"
-                    )
-            nproc_per_node = check_int("nproc_per_node", nproc_per_node, 1)
-            if nnodes is None:
-                nnodes = replicas // nproc_per_node if num_replicas is not None else idist.get_nnodes()
-            nnodes = check_int("nnodes", nnodes, 1)
-            if nnodes * nproc_per_node != replicas:
-                raise ValueError(
-                    f"shard_by='node' needs the same number of processes on every node: nnodes={nnodes} x "
-                    f"nproc_per_node={nproc_per_node} != num_replicas={replicas} (pass nnodes / nproc_per_node "
-                    "explicitly when num_replicas is given)"
-                )
-            if node_rank is None:
-                node_rank = this_rank // nproc_per_node if rank is not None else idist.get_node_rank()
-            if local_rank is None:
-                local_rank = this_rank % nproc_per_node if rank is not None else idist.get_local_rank()
-            node_rank = check_index("node_rank", node_rank, "nnodes", nnodes)
-            local_rank = check_index("local_rank", local_rank, "nproc_per_node", nproc_per_node)
-        else:
-            node_args = {
-                "nnodes": nnodes,
-                "node_rank": node_rank,
-                "nproc_per_node": nproc_per_node,
-                "local_rank": local_rank,
-            }
-            given = [name for name, value in node_args.items() if value is not None]
-            if given:
-                raise ValueError(f"{', '.join(given)} only apply to shard_by='node'")
-
         # Explicit values: torch's constructor would otherwise ask torch.distributed, which is not initialised
         # under Horovod, XLA or in serial mode.
         super().__init__(
             cast(Dataset[Any], dataset),
-            num_replicas=replicas,
-            rank=this_rank,
+            num_replicas=place.layout.num_replicas,
+            rank=place.rank,
             shuffle=shuffle,
             seed=seed,
             drop_last=drop_last,
         )
         self.shard_by: Literal["rank", "node"] = shard_by
-        self.nnodes: int | None = nnodes
-        self.node_rank: int | None = node_rank
-        self.nproc_per_node: int | None = nproc_per_node
-        self.local_rank: int | None = local_rank
-        self.num_shards: int = replicas if nnodes is None else nnodes
-        self.shard: int = this_rank if node_rank is None else node_rank
+        self.layout = place.layout
+        self.nnodes: int | None = place.nnodes
+        self.node_rank: int | None = place.node_rank
+        self.nproc_per_node: int | None = place.nproc_per_node
+        self.local_rank: int | None = place.local_rank
+        self.num_shards: int = place.layout.shards
+        self.shard: int = place.shard
+        self._local = place.local
         self._dataset_len = len(dataset)
-        self.num_samples = samples_per_replica(self._dataset_len, replicas, drop_last)
-        self.total_size = self.num_samples * replicas
+        self.num_samples = samples_per_replica(self._dataset_len, self.num_replicas, drop_last)
+        self.total_size = self.num_samples * self.num_replicas
         # Where the next iteration starts (set by load_state_dict), how far the current one got, and the
         # training loop's own count when it reports one.
         self._start = 0
         self._yielded = 0
         self._consumed: int | None = None
         self._iteration = 0
+        # The current pass's epoch, when it was restriped after a change of world size: the epoch's earlier
+        # worlds, and this rank's order for the rest of the epoch. Both hold for one pass only.
+        self._history: tuple[Segment, ...] = ()
+        self._order: list[int] | None = None
+        self._pending = False  # the next iteration continues a loaded position
 
     def indices(self, epoch: int | None = None) -> list[int]:
-        """Return this rank's indices for a whole epoch, in order, without changing the sampler's state.
+        """Return this rank's indices for a whole epoch on its fixed shard, without changing the sampler's state.
+
+        After :meth:`load_state_dict`, the next iteration yields :meth:`remaining_indices` instead.
 
         Args:
             epoch: the epoch; default the current one (:meth:`set_epoch`).
@@ -240,32 +195,49 @@ class ShardedDistributedSampler(DistributedSampler[int]):
 
         .. versionadded:: 0.1.0
         """
-        epoch = self.epoch if epoch is None else epoch
-        if self.nproc_per_node is not None and self.local_rank is not None:
-            return node_shard_indices(
-                self._dataset_len,
-                self.num_shards,
-                self.shard,
-                self.nproc_per_node,
-                self.local_rank,
-                seed=self.seed,
-                epoch=epoch,
-                drop_last=self.drop_last,
-                shuffle=self.shuffle,
-            )
-        return shard_indices(
-            self._dataset_len,
-            self.num_replicas,
-            self.rank,
+        return self.layout.order(
+            range(self._dataset_len),
+            self.shard,
+            self._local,
             seed=self.seed,
-            epoch=epoch,
+            epoch=check_int("epoch", self.epoch if epoch is None else epoch),
             drop_last=self.drop_last,
             shuffle=self.shuffle,
         )
 
+    def remaining_indices(self) -> list[int]:
+        """Return the indices the next iteration will yield, without changing the sampler's state.
+
+        That is the whole epoch (:meth:`indices`), except right after :meth:`load_state_dict`: then the rest of
+        the loaded position, and, when the state was saved on another world, this rank's share of the rest of
+        the epoch restriped over the new world (no more than ``len(self)``, the same number on every rank).
+
+        Examples:
+            >>> from ignite_ext.data import ShardedDistributedSampler
+            >>> sampler = ShardedDistributedSampler(range(8), num_replicas=2, rank=0, shuffle=False)
+            >>> sampler.load_state_dict({"epoch": 0, "consumed": 3})
+            >>> sampler.remaining_indices()
+            [3]
+
+        .. versionadded:: 0.2.0
+        """
+        if not self._pending:
+            return self.indices()
+        return self._pass_order()[self._start :]
+
+    def _pass_order(self) -> list[int]:
+        return self._order if self._order is not None else self.indices()
+
+    def _pass_length(self) -> int:
+        return len(self._order) if self._order is not None else self.num_samples
+
     def __iter__(self) -> Iterator[int]:
         # Computed here, not lazily, so the epoch and start position are those at iter() time, as with torch.
-        order = self.indices()
+        if not self._pending:
+            # A new pass over the epoch: a loaded position and a restriped order only hold for the first one.
+            self._history, self._order, self._start = (), None, 0
+        self._pending = False
+        order = self._pass_order()
         start, self._start = self._start, 0
         self._yielded, self._consumed = start, None
         self._iteration += 1
@@ -306,18 +278,19 @@ class ShardedDistributedSampler(DistributedSampler[int]):
             self.epoch = epoch
             self._start = self._yielded = 0
             self._consumed = None
+            self._history, self._order, self._pending = (), None, False
 
     def set_consumed(self, consumed: int) -> None:
         """Record how many of this epoch's indices the training loop has consumed, for :meth:`state_dict`.
 
         Needed when the DataLoader has workers: they prefetch, so the sampler has handed out more indices than
-        the loop has trained on. With ignite, at ``ITERATION_COMPLETED``:
-        ``sampler.set_consumed((engine.state.iteration - (engine.state.epoch - 1) * engine.state.epoch_length)
-        * batch_size)``. The value holds until the next iteration or epoch starts.
+        the loop has trained on. With ignite, :class:`~ignite_ext.data.sampler.SamplerHandler` calls it with the
+        batches the loop took. The value holds until the next iteration or epoch starts.
 
         Args:
-            consumed: indices consumed so far in this epoch; values above ``len(self)`` (a short last batch
-                counted as full) are capped at ``len(self)``.
+            consumed: indices consumed so far in this pass's order (:meth:`indices`, or after a load the order
+                :meth:`remaining_indices` is the tail of); values above its length (a short last batch counted
+                as full) are capped.
 
         Raises:
             ValueError: ``consumed`` is negative.
@@ -333,20 +306,24 @@ class ShardedDistributedSampler(DistributedSampler[int]):
 
         .. versionadded:: 0.1.0
         """
-        self._consumed = min(check_int("consumed", consumed, 0), self.num_samples)
+        self._consumed = min(check_int("consumed", consumed, 0), self._pass_length())
+
+    def _config(self) -> Config:
+        return Config(self._dataset_len, self.seed, self.shuffle, self.drop_last)
 
     def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
         """Return the position in the current epoch, to be restored with :meth:`load_state_dict`.
 
         Args:
-            consumed: indices of this epoch the training loop has consumed; default the value given to
+            consumed: indices of this pass the training loop has consumed; default the value given to
                 :meth:`set_consumed`, else the number of indices handed out by the current iteration (exact
-                with ``num_workers=0``). Capped at ``len(self)``.
+                with ``num_workers=0``). Capped at the pass's length.
 
         Returns:
-            ``{"epoch", "consumed"}`` plus the layout the position refers to (``dataset_len``,
-            ``num_replicas``, ``shard_by``, ``num_shards``, ``seed``, ``shuffle``, ``drop_last``). Plain Python
-            values, the same on every rank.
+            ``{"epoch", "consumed"}``, the layout the position refers to (``dataset_len``, ``num_replicas``,
+            ``shard_by``, ``num_shards``, ``seed``, ``shuffle``, ``drop_last``) and the epoch's ``history``: the
+            earlier worlds it ran on, each with its layout and ``consumed`` (empty unless the world changed during
+            the epoch). Plain Python values, the same on every rank; see :mod:`ignite_ext.data.sampler.resume`.
 
         Raises:
             ValueError: ``consumed`` is negative.
@@ -356,70 +333,76 @@ class ShardedDistributedSampler(DistributedSampler[int]):
             >>> sampler = ShardedDistributedSampler(range(10), num_replicas=2, rank=0)
             >>> sampler.set_epoch(3)
             >>> state = sampler.state_dict(consumed=4)
-            >>> state["epoch"], state["consumed"], state["num_replicas"]
-            (3, 4, 2)
+            >>> state["epoch"], state["consumed"], state["num_replicas"], state["history"]
+            (3, 4, 2, [])
 
         .. versionadded:: 0.1.0
+        .. versionchanged:: 0.2.0
+            The ``history`` key.
         """
         if consumed is None:
             consumed = self._consumed if self._consumed is not None else self._yielded
-        consumed = min(check_int("consumed", consumed, 0), self.num_samples)
-        return {
-            "epoch": self.epoch,
-            "consumed": consumed,
-            "dataset_len": self._dataset_len,
-            "num_replicas": self.num_replicas,
-            "shard_by": self.shard_by,
-            "num_shards": self.num_shards,
-            "seed": self.seed,
-            "shuffle": self.shuffle,
-            "drop_last": self.drop_last,
-        }
+        consumed = min(check_int("consumed", consumed, 0), self._pass_length())
+        return write_state(self._config(), self.layout, Position(self.epoch, self._history, consumed))
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore a position saved by :meth:`state_dict`; the next iteration continues from it.
+        """Restore a position saved by :meth:`state_dict`, on this world or another; the next iteration continues.
 
-        If the state was saved with a different layout (world size, dataset size, seed, shuffle, drop_last or
-        sharding), its position means other samples now: the sampler warns and restarts that epoch from its
-        beginning on the new shards. Keys other than ``epoch`` and ``consumed`` are optional.
+        On the world the state was saved on, the next iteration yields the rest of this rank's order. On another
+        world, the indices no old rank consumed are restriped over this one
+        (:func:`~ignite_ext.data.sampler.restripe.restripe`), an equal share per rank, so that over the epoch
+        every sample is yielded once up to the padding (``drop_last=False``: at most ``R - 1`` repeats per world
+        the epoch ran on) or the trim (``drop_last=True``: at most ``R - 1`` left out). Later epochs use this
+        world's fixed shards.
+
+        When the sampler spans the world (``num_replicas == idist.get_world_size() > 1``) this is a collective
+        (:func:`~ignite_ext.distributed.agree`): every rank calls it, and a bad state, states that differ between
+        ranks or datasets of different lengths raise the same ``ValueError`` on every rank. Cost: one exchange
+        of a few bytes per rank; on another world also O(N) time and memory, to replay what was consumed.
 
         Args:
-            state_dict: a mapping with at least ``epoch`` and ``consumed``.
+            state_dict: a mapping with at least ``epoch`` and ``consumed``; the other keys of :meth:`state_dict`
+                are optional (missing ones are taken to match this sampler).
 
         Raises:
-            ValueError: a key is missing, or ``consumed`` is outside ``[0, len(self)]`` for the same layout.
+            ValueError: a key is missing or malformed; ``consumed`` is more than the saved world's ranks yield;
+                the state was saved with another ``dataset_len``, ``seed``, ``shuffle`` or ``drop_last``; the
+                ranks loaded different states.
             TypeError: ``epoch`` or ``consumed`` is not an int.
 
         Examples:
-            >>> import warnings
+            4 ranks consumed 2 indices each, then 2 ranks share the other 4:
+
             >>> from ignite_ext.data import ShardedDistributedSampler
-            >>> old = ShardedDistributedSampler(range(12), num_replicas=4, rank=0)
-            >>> new = ShardedDistributedSampler(range(12), num_replicas=2, rank=0)
-            >>> with warnings.catch_warnings(record=True) as caught:
-            ...     warnings.simplefilter("always")
-            ...     new.load_state_dict(old.state_dict(consumed=2))
-            >>> len(caught), new.state_dict()["consumed"]
-            (1, 0)
+            >>> old = [ShardedDistributedSampler(range(12), num_replicas=4, rank=r) for r in range(4)]
+            >>> head = [i for s in old for i in s.indices()[:2]]
+            >>> new = [ShardedDistributedSampler(range(12), num_replicas=2, rank=r) for r in range(2)]
+            >>> for s in new:
+            ...     s.load_state_dict(old[0].state_dict(consumed=2))
+            >>> [len(s.remaining_indices()) for s in new], new[0].state_dict()["history"]
+            ([2, 2], [{'num_replicas': 4, 'shard_by': 'rank', 'num_shards': 4, 'consumed': 2}])
+            >>> sorted(head + [i for s in new for i in s]) == list(range(12))
+            True
 
         .. versionadded:: 0.1.0
+        .. versionchanged:: 0.2.0
+            Another world size continues the epoch, restriped; another dataset length, seed, ``shuffle`` or
+            ``drop_last`` raises (it used to warn and restart the epoch).
         """
-        missing = [key for key in ("epoch", "consumed") if key not in state_dict]
-        if missing:
-            raise ValueError(f"not a ShardedDistributedSampler state: missing {missing}")
-        epoch = check_int("epoch", state_dict["epoch"])
-        consumed = check_int("consumed", state_dict["consumed"], 0)
-        mine = self.state_dict(consumed=0)
-        changed = [key for key in _LAYOUT_KEYS if key in state_dict and state_dict[key] != mine[key]]
-        if changed:
-            details = ", ".join(f"{key}: {state_dict[key]!r} -> {mine[key]!r}" for key in changed)
-            warnings.warn(
-                f"sampler state was saved with a different layout ({details}); restarting epoch {epoch} "
-                "from its beginning on the new shards",
-                stacklevel=2,
-            )
-            consumed = 0
-        elif consumed > self.num_samples:
-            raise ValueError(f"consumed={consumed} is more than the {self.num_samples} indices of an epoch")
-        self.epoch = epoch
-        self._start = self._yielded = consumed
+        config, layout, loaded = self._config(), self.layout, []
+
+        def load() -> str:
+            position = read_state(state_dict, config, layout)
+            loaded.append((position, resumed_order(config, layout, self.shard, self._local, position)))
+            return f"{position.describe()}; {config}; {layout}"
+
+        if self.num_replicas == idist.get_world_size() > 1:
+            idist.agree(load, "loading the ShardedDistributedSampler state", check=same_everywhere)
+        else:
+            load()
+        position, order = loaded[0]
+        self.epoch = position.epoch
+        self._history, self._order = position.history, order
+        self._start = self._yielded = position.consumed
         self._consumed = None
+        self._pending = True
