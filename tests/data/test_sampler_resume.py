@@ -25,10 +25,10 @@ from ignite_ext.data.sampler import (
     SamplerHandler,
     Segment,
     node_shard_indices,
-    remaining_indices,
     restripe,
     shard_bounds,
     shard_indices,
+    unconsumed_indices,
 )
 
 FAST = settings(deadline=None, max_examples=80, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
@@ -61,7 +61,7 @@ def epoch_over(n: int, worlds: list[Layout], cuts: list[float], **kw: Any) -> tu
     segments: list[Segment] = []
     ran: list[World] = []
     for number, layout in enumerate(worlds):
-        pool = len(remaining_indices(n, segments, **kw))
+        pool = len(unconsumed_indices(n, segments, **kw))
         orders = [restripe(n, segments, layout, shard, local, **kw) for shard, local in ranks_of(layout)]
         assert len({len(o) for o in orders}) == 1  # the lockstep: every rank of a world yields as many
         length = len(orders[0])
@@ -132,7 +132,7 @@ def test_restripe_is_deterministic_and_independent_of_the_old_rank_numbering(
     first = [restripe(n, segments, new, s, local, **kw) for s, local in ranks_of(new)]
     again = [restripe(n, list(segments), new, s, local, **kw) for s, local in ranks_of(new)]
     assert first == again
-    pool = remaining_indices(n, segments, **kw)
+    pool = unconsumed_indices(n, segments, **kw)
     assert pool == sorted(pool) and len(set(pool)) == len(pool)
     if pool:
         assert set().union(*map(set, first)) == set(pool)
@@ -161,16 +161,16 @@ def test_a_share_lies_within_the_new_shard_when_the_old_world_is_a_multiple(
 
 def test_a_segment_consumed_to_its_end_finishes_the_epoch() -> None:
     kw: dict[str, Any] = {"seed": 0, "epoch": 2, "drop_last": True, "shuffle": True}
-    assert remaining_indices(10, [Segment(Layout(3), 3)], **kw) == []  # sample left out by the trim stays out
-    assert len(remaining_indices(10, [Segment(Layout(3), 2)], **kw)) == 4  # ...unless the epoch goes on
+    assert unconsumed_indices(10, [Segment(Layout(3), 3)], **kw) == []  # sample left out by the trim stays out
+    assert len(unconsumed_indices(10, [Segment(Layout(3), 2)], **kw)) == 4  # ...unless the epoch goes on
     with pytest.raises(ValueError, match=r"consumed=4, but its ranks yield only 3"):
-        remaining_indices(10, [Segment(Layout(3), 4)], **kw)
+        unconsumed_indices(10, [Segment(Layout(3), 4)], **kw)
 
 
 def test_a_worked_example() -> None:
     before = [Segment(Layout(4), 2)]
     kw: dict[str, Any] = {"seed": 0, "epoch": 0, "drop_last": False, "shuffle": False}
-    assert remaining_indices(12, before, **kw) == [2, 5, 8, 11]
+    assert unconsumed_indices(12, before, **kw) == [2, 5, 8, 11]
     assert [restripe(12, before, Layout(2), r, **kw) for r in range(2)] == [[2, 5], [8, 11]]
     assert [restripe(12, before, Layout(3), r, **kw) for r in range(3)] == [
         [2, 5],
@@ -408,3 +408,15 @@ def test_handler_counts_what_the_loop_took_however_far_the_workers_prefetch() ->
     engine.run(loader, max_epochs=1)
     assert [c for c, _ in states] == [5 * k for k in range(1, 21)]
     assert any(y > c for c, y in states)  # the workers did run ahead of the loop
+
+
+def test_the_guides_figure_a_4_to_3_share_halfway_lies_in_the_new_shard() -> None:
+    n, old, new = 10_000, Layout(4), Layout(3)
+    segments = [Segment(old, old.length(n, False) // 2)]
+    inside = total = 0
+    for rank in range(3):
+        share = set(restripe(n, segments, new, rank, seed=1, epoch=0, drop_last=False, shuffle=True))
+        start, stop = shard_bounds(n, 3, rank)
+        inside += len({i for i in share if start <= i < stop})
+        total += len(share)
+    assert inside / total >= 0.995

@@ -16,7 +16,7 @@ The modules of this package:
 from ignite_ext.data.sampler.handlers import SamplerHandler
 from ignite_ext.data.sampler.indices import node_shard_indices, samples_per_replica, shard_bounds, shard_indices
 from ignite_ext.data.sampler.layout import Layout
-from ignite_ext.data.sampler.restripe import Segment, remaining_indices, restripe
+from ignite_ext.data.sampler.restripe import Segment, restripe, unconsumed_indices
 from ignite_ext.data.sampler.sharded import ShardedDistributedSampler
 
 __all__ = [
@@ -25,9 +25,9 @@ __all__ = [
     "Segment",
     "ShardedDistributedSampler",
     "node_shard_indices",
-    "remaining_indices",
     "restripe",
     "samples_per_replica",
     "shard_bounds",
     "shard_indices",
+    "unconsumed_indices",
 ]

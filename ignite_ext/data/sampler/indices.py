@@ -2,8 +2,9 @@
 
 Every function is a function of ``(n, num_shards, shard, seed, epoch, drop_last, shuffle)`` only, so it can be checked
 without processes: :func:`shard_bounds` (each shard's contiguous range), :func:`samples_per_replica` (the length
-every rank yields), :func:`shard_indices` (one shard's order in one epoch) and :func:`node_shard_indices` (a node's
-shard dealt to its ranks).
+every rank yields), :func:`shard_indices` (one shard's order in one epoch), :func:`node_shard_indices` (a node's
+shard dealt to its ranks), and :func:`pool_order`, which both deal with: one shard's order cut from any ascending
+pool of indices (``range(n)``, or the rest of an epoch restriped over another world).
 
 .. versionadded:: 0.2.0
 """

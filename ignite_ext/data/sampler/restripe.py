@@ -1,9 +1,9 @@
-"""The rest of an epoch after a change of world size, as pure functions: :func:`remaining_indices`, :func:`restripe`.
+"""The rest of an epoch after a change of world size, as pure functions: :func:`unconsumed_indices`, :func:`restripe`.
 
 An epoch runs in *segments*, one per world it ran on. The first is the epoch as the sampler always deals it:
 every rank of the first :class:`~ignite_ext.data.sampler.layout.Layout` yields its fixed shard's order. When the
 job stops after every rank consumed ``c`` indices of its order (ranks train in lockstep, so it is the same ``c``
-on all of them) and comes back on another world, the indices that no rank consumed (:func:`remaining_indices`,
+on all of them) and comes back on another world, the indices that no rank consumed (:func:`unconsumed_indices`,
 ascending) are dealt over the new layout exactly as a fresh epoch deals ``range(n)``: cut into contiguous,
 balanced blocks (one per rank, or one per node), padded or trimmed to equal lengths by the usual rules, shuffled
 with ``(seed, epoch, shard, segment)`` (:func:`restripe`). A second change in the same epoch adds a segment the
@@ -11,9 +11,9 @@ same way. A segment is therefore named by its layout and its consumed count only
 world size, from which every later world recomputes what was consumed.
 
 Why contiguous blocks of the *remaining* indices: each new rank's share of the rest of the epoch is a run of
-nearby indices, so it falls (almost) within the rank's new fixed shard, which it keeps from the next epoch on. If
-the old world size is a multiple of the new one (8 -> 4), the old shards nest in the new ones and a share lies
-within its new shard up to the rounding of block sizes.
+nearby indices. With ``shuffle`` the consumed indices are spread evenly over every old shard, so a share falls
+almost entirely within the rank's new fixed shard, which it keeps from the next epoch on (all but at most
+``2 * R / R'`` samples when the old world size ``R`` is a multiple of the new one ``R'``).
 
 Cost: replaying the segments computes every old rank's order: O(n) time and memory per rank, once per resume.
 
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from ignite_ext.data.sampler.indices import check_int
 from ignite_ext.data.sampler.layout import Layout
 
-__all__ = ["Segment", "remaining_indices", "restripe"]
+__all__ = ["Segment", "restripe", "unconsumed_indices"]
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class Segment:
     consumed: int
 
 
-def remaining_indices(
+def unconsumed_indices(
     n: int, segments: Sequence[Segment], *, seed: int, epoch: int, drop_last: bool, shuffle: bool
 ) -> list[int]:
     """Return the indices of an epoch that no rank consumed in ``segments``, ascending.
@@ -67,8 +67,8 @@ def remaining_indices(
 
     Examples:
         >>> from ignite_ext.data.sampler.layout import Layout
-        >>> from ignite_ext.data.sampler.restripe import Segment, remaining_indices
-        >>> remaining_indices(12, [Segment(Layout(4), 2)], seed=0, epoch=0, drop_last=False, shuffle=False)
+        >>> from ignite_ext.data.sampler.restripe import Segment, unconsumed_indices
+        >>> unconsumed_indices(12, [Segment(Layout(4), 2)], seed=0, epoch=0, drop_last=False, shuffle=False)
         [2, 5, 8, 11]
 
     .. versionadded:: 0.2.0
@@ -110,7 +110,7 @@ def restripe(
 ) -> list[int]:
     """Return what the rank at ``(shard, local)`` of ``layout`` yields for the rest of an epoch.
 
-    The rest (:func:`remaining_indices` of ``segments``) is dealt over ``layout`` as segment ``len(segments)``:
+    The rest (:func:`unconsumed_indices` of ``segments``) is dealt over ``layout`` as segment ``len(segments)``:
     contiguous balanced blocks of it per shard, padded (``drop_last=False``) or trimmed (``drop_last=True``) to
     :meth:`Layout.length <ignite_ext.data.sampler.layout.Layout.length>` of it, shuffled. With no segments this
     is the rank's fresh epoch (``shard_indices`` / ``node_shard_indices``).
@@ -130,7 +130,7 @@ def restripe(
         This rank's indices for the rest of the epoch; every rank of ``layout`` gets as many.
 
     Raises:
-        ValueError: a segment is inconsistent (see :func:`remaining_indices`) or the rank is out of range.
+        ValueError: a segment is inconsistent (see :func:`unconsumed_indices`) or the rank is out of range.
 
     Examples:
         >>> from ignite_ext.data.sampler.layout import Layout
@@ -143,7 +143,7 @@ def restripe(
     """
     pool: Sequence[int] = range(check_int("n", n, 0))
     if segments:
-        pool = remaining_indices(n, segments, seed=seed, epoch=epoch, drop_last=drop_last, shuffle=shuffle)
+        pool = unconsumed_indices(n, segments, seed=seed, epoch=epoch, drop_last=drop_last, shuffle=shuffle)
     return layout.order(
         pool,
         shard,
