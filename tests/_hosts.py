@@ -1,0 +1,524 @@
+"""Simulated hosts on this machine, each with its own network, hostname, ``/tmp``, ``/dev/shm`` and processes.
+
+A :class:`HostBed` of ``n`` hosts is made by the test itself, and always torn down:
+
+* A **host** is one ``unshare --net --uts --mount --pid --fork --mount-proc`` process. Its init (``sh``, PID 1 of
+  the host's PID namespace) sets the host up and then waits on a pipe from this process: a hostname of its own,
+  private tmpfs ``/tmp`` and ``/dev/shm``, an ``/etc/hosts`` naming every host of the bed, and the bed's shared
+  directory bind-mounted at the path given for that host. Its network namespace has its own loopback and one
+  veth pair to the bed's bridge, ``eth0`` with ``10.77.0.<k+1>/24``. Killing that init kills every process of
+  the host at once (the kernel does it: torchrun's workers run in sessions of their own, so no process group
+  would reach them all), and so does the end of the pipe, should this process die.
+* **Commands** enter a host through ``nsenter`` (:meth:`Host.start`); :meth:`HostBed.torchrun` starts one
+  torchrun agent per host, ``--master_addr`` being host 0's address, running a body through
+  :mod:`tests.hosts._rank` on every rank.
+* **Faults**: :meth:`Host.kill` (the whole host, all its processes), :meth:`Host.cut` (its link set down).
+* **Teardown** (:meth:`HostBed.close`, which the fixtures call also when a test fails or times out) kills every
+  host's init, waits for its launcher, deletes the veth links and the bridge. The mounts lived in the hosts'
+  mount namespaces and end with them. Each bed has a unique name prefix (``ietb`` and five hex digits),
+  registered under ``/run/ignite_ext_hosts`` with its owner's pid: :func:`sweep` (run before every new bed)
+  removes what a crashed run left (its links and host processes) and never touches the bed of a live run.
+
+Every bed uses the same subnet: a bed's hosts see nothing but their own bridge, and no address is added to this
+machine's namespace, so beds of concurrent runs cannot meet, and no traffic leaves the sandbox.
+
+``python -m tests._hosts`` sweeps leftovers and says whether hosts can be simulated here (exit status 1 and the
+reason when they cannot); ``scripts/test.sh`` runs it and exports the reason in ``IGNITE_EXT_HOSTS_UNAVAILABLE``,
+with which the tests of ``tests/hosts`` skip.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import re
+import secrets
+import select
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "RUN_ROOT",
+    "UNAVAILABLE_ENV",
+    "Host",
+    "HostBed",
+    "Job",
+    "Server",
+    "links",
+    "sweep",
+    "unavailable",
+]
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN_ROOT = Path("/run/ignite_ext_hosts")
+UNAVAILABLE_ENV = "IGNITE_EXT_HOSTS_UNAVAILABLE"
+OUT_ENV = "IGNITE_EXT_HOSTS_OUT"  # tests/hosts/_rank.py: where a rank writes its record (as its host sees it)
+PG_TIMEOUT_ENV = "IGNITE_EXT_HOSTS_PG_TIMEOUT"  # tests/hosts/_rank.py: the process group's timeout
+_PREFIX = "ietb"
+_LINK_RE = re.compile(r"^(ietb[0-9a-f]{5})(br|v\d+)$")
+_SUBNET = "10.77.0"
+_SETUP_TIMEOUT = 30.0
+
+
+def _ip(*args: str, stdin: str | None = None, netns_of: int | None = None) -> None:
+    cmd = ["ip", *args] if netns_of is None else ["nsenter", f"--target={netns_of}", "--net", "ip", *args]
+    done = subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=_SETUP_TIMEOUT)
+    if done.returncode != 0:
+        raise RuntimeError(f"{shlex.join(cmd)}: {done.stderr.strip()}")
+
+
+def links(prefix: str = _PREFIX) -> list[str]:
+    """The names of this namespace's network links that start with ``prefix``."""
+    listing = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, timeout=_SETUP_TIMEOUT)
+    names = (line.split(": ", 2)[1].split("@", 1)[0] for line in listing.stdout.splitlines() if ": " in line)
+    return [name for name in names if name.startswith(prefix)]
+
+
+def _start_time(pid: int) -> str | None:
+    """The start time of ``pid`` (clock ticks since boot), which tells it from a later process with its pid."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def _stamp(pid: int) -> str:
+    return f"{pid} {_start_time(pid)}"
+
+
+def _still_running(stamp: str) -> int | None:
+    """The pid of a :func:`_stamp`, if that very process still runs."""
+    pid, start = stamp.split()
+    return int(pid) if _start_time(int(pid)) == start else None
+
+
+def sweep() -> list[str]:
+    """Remove what crashed runs left: the links and host processes of every bed whose owner is gone.
+
+    Returns the prefixes removed.
+    """
+    removed, live = [], set()
+    for entry in sorted(RUN_ROOT.glob(f"{_PREFIX}*")) if RUN_ROOT.is_dir() else []:
+        owner = entry / "owner"
+        if owner.exists() and _still_running(owner.read_text()) is not None:
+            live.add(entry.name)
+            continue
+        keepers = entry / "keepers"
+        for stamp in keepers.read_text().splitlines() if keepers.exists() else []:
+            pid = _still_running(stamp)
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(entry, ignore_errors=True)
+        removed.append(entry.name)
+    for name in links():
+        match = _LINK_RE.match(name)
+        if match and match.group(1) not in live:
+            with contextlib.suppress(RuntimeError):  # gone meanwhile (a veth goes with its peer)
+                _ip("link", "del", name)
+            if match.group(1) not in removed:
+                removed.append(match.group(1))
+    return removed
+
+
+@dataclass
+class Host:
+    """One simulated host of a :class:`HostBed`."""
+
+    index: int
+    name: str  # its hostname
+    ip: str
+    veth: str  # this namespace's end of its link
+    shared: Path  # where it sees the bed's shared directory
+    keeper: subprocess.Popen[bytes]  # the unshare process
+    init: int  # PID 1 of the host's PID namespace, as this namespace numbers it
+
+    def command(self, argv: Sequence[str]) -> list[str]:
+        """``argv`` run inside this host (its namespaces, in the repository)."""
+        return ["nsenter", f"--target={self.init}", "--net", "--uts", "--mount", "--pid", f"--wd={ROOT}", "--", *argv]
+
+    def start(self, argv: Sequence[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+        """Start ``argv`` in this host, its output appended to ``log``."""
+        with open(log, "ab") as out:
+            return subprocess.Popen(
+                self.command(argv), env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT
+            )
+
+    def run(self, argv: Sequence[str], timeout: float = _SETUP_TIMEOUT) -> str:
+        """Run ``argv`` in this host and return its output; fail when it fails."""
+        done = subprocess.run(self.command(argv), capture_output=True, text=True, timeout=timeout)
+        if done.returncode != 0:
+            raise RuntimeError(f"{shlex.join(argv)} on {self.name}: exit {done.returncode}: {done.stderr.strip()}")
+        return done.stdout
+
+    def pids(self) -> list[int]:
+        """Every process of this host (its init included), as this namespace numbers them."""
+        try:
+            ns = os.readlink(f"/proc/{self.init}/ns/pid")
+        except OSError:
+            return []
+        found = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                with contextlib.suppress(OSError):
+                    if os.readlink(f"/proc/{entry}/ns/pid") == ns:
+                        found.append(int(entry))
+        return found
+
+    def kill(self) -> None:
+        """SIGKILL the host's init: the kernel then kills every process of the host."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.init, signal.SIGKILL)
+
+    def cut(self) -> None:
+        """Set the host's link down: its processes live on, but nothing reaches them nor leaves them."""
+        _ip("link", "set", self.veth, "down")
+
+    def sees(self, path: Path, bed: HostBed) -> Path:
+        """Where this host sees ``path``, a path under the bed's shared directory."""
+        return self.shared / path.relative_to(bed.shared)
+
+
+class HostBed:
+    """``n`` simulated hosts on one bridge, sharing one directory; see the module docstring.
+
+    Args:
+        n: number of hosts.
+        shared: an existing directory, bind-mounted into every host.
+        logs: where the hosts' and commands' output goes (created).
+        shared_at: for each host, where it sees ``shared`` (``None``: at the same path); a path under ``/tmp``,
+            whose tmpfs is the host's own, so that nothing is created outside the host.
+        tmpfs_mb: size limit of each host's ``/tmp`` and ``/dev/shm``.
+    """
+
+    def __init__(
+        self,
+        n: int,
+        shared: Path,
+        logs: Path,
+        shared_at: Sequence[str | None] = (),
+        tmpfs_mb: int = 256,
+    ) -> None:
+        sweep()
+        self.shared, self.logs, self.tmpfs_mb = shared.resolve(), logs, tmpfs_mb
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.prefix = _PREFIX + secrets.token_hex(3)[:5]
+        self.bridge = f"{self.prefix}br"
+        self.hosts: list[Host] = []
+        self._keepers: list[subprocess.Popen[bytes]] = []
+        self._launched: list[subprocess.Popen[bytes]] = []
+        self._jobs = 0
+        # Registered before anything exists, by a rename, so that a sweep never sees a bed without its owner.
+        RUN_ROOT.mkdir(parents=True, exist_ok=True)
+        pending = RUN_ROOT / f".{self.prefix}"
+        pending.mkdir()
+        (pending / "owner").write_text(_stamp(os.getpid()))
+        self.dir = RUN_ROOT / self.prefix
+        pending.rename(self.dir)
+        try:
+            _ip("link", "add", self.bridge, "type", "bridge")
+            _ip("link", "set", self.bridge, "up")
+            names = [(f"{_SUBNET}.{k + 1}", f"{self.prefix}-h{k}") for k in range(n)]
+            hosts_file = self.dir / "hosts"
+            hosts_file.write_text("127.0.0.1 localhost\n" + "".join(f"{ip} {name}\n" for ip, name in names))
+            for k, (ip, name) in enumerate(names):
+                at = shared_at[k] if k < len(shared_at) else None
+                self.hosts.append(self._host(k, name, ip, Path(at) if at else self.shared, hosts_file))
+        except BaseException:
+            self.close()
+            raise
+
+    def _host(self, k: int, name: str, ip: str, at: Path, hosts_file: Path) -> Host:
+        if at != self.shared and not at.is_relative_to("/tmp"):
+            raise ValueError(f"host {k} would see the shared directory at {at}: only paths under /tmp are private")
+        stage = self.dir / f"stage{k}"
+        stage.mkdir()
+        q = shlex.quote
+        tmpfs = f"-t tmpfs -o size={self.tmpfs_mb}m,mode=1777 tmpfs"
+        script = "\n".join(
+            [
+                "set -e",
+                f"hostname {q(name)}",
+                f"mount --bind {q(str(self.shared))} {q(str(stage))}",  # first: it may live under /tmp
+                f"mount {tmpfs} /tmp",
+                f"mount {tmpfs} /dev/shm",
+                f"mkdir -p {q(str(at))}",
+                f"mount --move {q(str(stage))} {q(str(at))}",
+                f"mount --bind {q(str(hosts_file))} /etc/hosts",
+                "echo ready",
+                "read _ || true",  # until this process closes the pipe, or dies
+            ]
+        )
+        unshare = [
+            "unshare",
+            "--net",
+            "--uts",
+            "--mount",
+            "--pid",
+            "--fork",
+            "--mount-proc",
+            "--propagation",
+            "private",
+        ]
+        with open(self.logs / f"host{k}.setup.log", "wb") as err:
+            keeper = subprocess.Popen(
+                [*unshare, "--kill-child", "--", "sh", "-c", script],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+            )
+        self._keepers.append(keeper)
+        assert keeper.stdout is not None
+        ready, _, _ = select.select([keeper.stdout], [], [], _SETUP_TIMEOUT)
+        line = keeper.stdout.readline() if ready else b""
+        children = Path(f"/proc/{keeper.pid}/task/{keeper.pid}/children")
+        init = int(children.read_text().split()[0]) if line == b"ready\n" and children.exists() else 0
+        if not init:
+            keeper.kill()
+            keeper.wait()
+            problem = (self.logs / f"host{k}.setup.log").read_text().strip()
+            raise RuntimeError(f"host {k} did not come up: {problem or 'no output'}")
+        with open(self.dir / "keepers", "a") as keepers:
+            keepers.write(f"{_stamp(keeper.pid)}\n{_stamp(init)}\n")
+        veth, peer = f"{self.prefix}v{k}", f"{self.prefix}p{k}"
+        _ip("link", "add", veth, "type", "veth", "peer", "name", peer, "netns", str(init))
+        _ip("link", "set", veth, "master", self.bridge, "up")
+        setup = f"link set {peer} name eth0\naddr add {ip}/24 dev eth0\nlink set eth0 up\nlink set lo up\n"
+        _ip("-batch", "-", stdin=setup, netns_of=init)
+        return Host(k, name, ip, veth, at, keeper, init)
+
+    def env(self, **extra: str) -> dict[str, str]:
+        """The environment of commands in the hosts: this one, with the repository importable."""
+        return {
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": "1",
+            "TMPDIR": "/tmp",  # the host's own
+            **extra,
+        }
+
+    def start(self, host: Host, argv: Sequence[str], env: dict[str, str], log: str) -> subprocess.Popen[bytes]:
+        """Start ``argv`` in ``host``; the bed kills it on closing."""
+        proc = host.start(argv, env, self.logs / log)
+        self._launched.append(proc)
+        return proc
+
+    def serve(self, host: Host, directory: Path, port: int = 8000) -> Server:
+        """Serve ``directory`` (as ``host`` sees it) over HTTP on ``host``'s address, until the bed closes."""
+        log = f"http.{host.index}.{port}.log"
+        argv = [sys.executable, "-m", "http.server", "--bind", host.ip, "--directory", str(directory), str(port)]
+        server = Server(f"http://{host.ip}:{port}", self.logs / log, self.start(host, argv, self.env(), log))
+        end = time.monotonic() + _SETUP_TIMEOUT
+        while "Serving HTTP" not in server.log.read_text():
+            if server.proc.poll() is not None or time.monotonic() > end:
+                raise RuntimeError(f"the HTTP server on {host.name} did not start: {server.log.read_text()}")
+            time.sleep(0.05)
+        return server
+
+    def torchrun(
+        self,
+        target: str,
+        *args: Any,
+        nproc_per_node: int = 2,
+        env: dict[str, str] | None = None,
+        pg_timeout: float = 60.0,
+        hosts: Sequence[Host] | None = None,
+    ) -> Job:
+        """Run ``target`` (``"module:function"``) with the JSON-able ``args`` on every rank, one torchrun per host."""
+        hosts = list(hosts or self.hosts)
+        n, self._jobs = self._jobs, self._jobs + 1
+        out = self.shared / f"job{n}"
+        out.mkdir()
+        port = str(29500 + n)  # every host's network is its own: no port of this machine can be taken
+        procs, logs = [], []
+        for node, host in enumerate(hosts):
+            argv = [
+                *(sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(hosts)}", f"--node_rank={node}"),
+                *(f"--nproc_per_node={nproc_per_node}", f"--master_addr={hosts[0].ip}", f"--master_port={port}"),
+                *("-m", "tests.hosts._rank", target, json.dumps(list(args))),
+            ]
+            host_env = self.env(**{OUT_ENV: str(host.sees(out, self)), PG_TIMEOUT_ENV: str(pg_timeout), **(env or {})})
+            logs.append(self.logs / f"job{n}.host{host.index}.log")
+            procs.append(self.start(host, argv, host_env, logs[-1].name))
+        return Job(self, out, procs, logs, len(hosts) * nproc_per_node)
+
+    def close(self) -> None:
+        """Kill every host and everything started in it; delete the links, the bridge and the registration."""
+        for keeper in self._keepers:
+            with contextlib.suppress(OSError, ValueError):
+                assert keeper.stdin is not None
+                keeper.stdin.close()
+        for host in self.hosts:
+            host.kill()
+        for proc in [*self._keepers, *self._launched]:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
+        for name in links(self.prefix):
+            with contextlib.suppress(RuntimeError):  # a veth goes with its peer's namespace
+                _ip("link", "del", name)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> HostBed:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_REQUEST_RE = re.compile(r'^(\S+) - - \[[^\]]*\] "(\w+) (\S+) [^"]*" (\d{3})', re.M)
+
+
+@dataclass
+class Server:
+    """The standard library's HTTP server in a host: its log names the client address of every request."""
+
+    url: str
+    log: Path
+    proc: subprocess.Popen[bytes]
+
+    def requests(self) -> list[tuple[str, str, str, int]]:
+        """``(client address, method, path, status)`` of every request so far."""
+        return [(ip, m, path, int(status)) for ip, m, path, status in _REQUEST_RE.findall(self.log.read_text())]
+
+
+@dataclass
+class Job:
+    """A body running on every rank of a :meth:`HostBed.torchrun`; records and marks appear in ``out``."""
+
+    bed: HostBed
+    out: Path  # as this namespace sees it
+    procs: list[subprocess.Popen[bytes]]
+    logs: list[Path]
+    world_size: int
+    seen: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+    def results(self) -> dict[int, dict[str, Any]]:
+        """The record of every rank that has finished so far: ``{"ok": True, "value": ...}`` or the error."""
+        for path in self.out.glob("rank*.json"):
+            self.seen.setdefault(int(path.stem[4:]), json.loads(path.read_text()))
+        return dict(self.seen)
+
+    def marks(self, name: str) -> dict[int, float]:
+        """When each rank wrote mark ``name`` (``tests.hosts._rank.mark``), by the machine's monotonic clock."""
+        return {int(p.suffix[1:]): float(p.read_text() or 0) for p in self.out.glob(f"{name}.*") if p.stat().st_size}
+
+    def output(self, chars: int = 4000) -> str:
+        """The tail of every launcher's output, for failure messages."""
+        return "\n".join(f"--- {log.name}:\n{log.read_text(errors='replace')[-chars:]}" for log in self.logs)
+
+    def _until(self, done: Any, what: str, timeout: float) -> None:
+        end = time.monotonic() + timeout
+        while not done():
+            if time.monotonic() > end:
+                if self.dump_stacks():
+                    time.sleep(0.5)
+                raise AssertionError(f"{what} not within {timeout:.0f} s\n{self.output()}")
+            if all(p.poll() is not None for p in self.procs) and not done():
+                raise AssertionError(f"every launcher ended before {what}\n{self.output()}")
+            time.sleep(0.05)
+
+    def dump_stacks(self) -> int:
+        """Ask every rank still running for its Python stacks (into the logs); return how many were asked."""
+        asked = 0
+        for host in self.bed.hosts:
+            for pid in host.pids():
+                with contextlib.suppress(OSError):
+                    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+                    # torchrun's agent runs the same command line, but has no LOCAL_RANK: only ranks handle SIGUSR1
+                    if (
+                        b"tests.hosts._rank" in cmdline
+                        and b"\0LOCAL_RANK=" in Path(f"/proc/{pid}/environ").read_bytes()
+                    ):
+                        os.kill(pid, signal.SIGUSR1)
+                        asked += 1
+        return asked
+
+    def wait_marks(self, name: str, ranks: Sequence[int], timeout: float = 90.0) -> dict[int, float]:
+        """Wait until ``ranks`` wrote mark ``name``; return when each did."""
+        self._until(lambda: set(ranks) <= set(self.marks(name)), f"mark {name!r} of ranks {list(ranks)}", timeout)
+        return self.marks(name)
+
+    def wait(self, ranks: Sequence[int] | None = None, timeout: float = 90.0) -> dict[int, dict[str, Any]]:
+        """Wait for the records of ``ranks`` (all by default); fail at the deadline, naming the missing ones."""
+        wanted = set(range(self.world_size) if ranks is None else ranks)
+        self._until(lambda: wanted <= set(self.results()), f"the records of ranks {sorted(wanted)}", timeout)
+        return {r: self.seen[r] for r in sorted(wanted)}
+
+    def values(self, timeout: float = 90.0) -> list[Any]:
+        """Every rank's value, or fail with every failing rank's error and the launchers' output."""
+        records = self.wait(timeout=timeout)
+        bad = [
+            f"rank {r}: {rec['exc_type']}: {rec['message']}\n{rec['traceback']}"
+            for r, rec in records.items()
+            if not rec["ok"]
+        ]
+        if bad:
+            raise AssertionError("some ranks failed:\n" + "\n".join(bad) + "\n" + self.output())
+        return [records[r]["value"] for r in range(self.world_size)]
+
+    def exit_codes(self, timeout: float = 60.0) -> list[int | None]:
+        """Wait until every launcher ended (at most ``timeout``); their exit codes (None: still running)."""
+        end = time.monotonic() + timeout
+        for proc in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(max(0.01, end - time.monotonic()))
+        return [p.poll() for p in self.procs]
+
+
+@functools.cache
+def unavailable() -> str | None:
+    """Why hosts cannot be simulated here (None when they can): the exported reason, or a one-host probe's."""
+    reason = os.environ.get(UNAVAILABLE_ENV)
+    if reason:
+        return reason
+    if sys.platform != "linux":
+        return f"simulated hosts need Linux namespaces, not {sys.platform}"
+    if os.geteuid() != 0:
+        return "simulated hosts need root (network, UTS, mount and PID namespaces, veth links, a bridge)"
+    missing = [tool for tool in ("unshare", "nsenter", "ip") if shutil.which(tool) is None]
+    if missing:
+        return f"simulated hosts need {', '.join(missing)} (util-linux, iproute2)"
+    probe = Path("/tmp") / f"ignite_ext_hosts_probe_{os.getpid()}"
+    try:
+        probe.mkdir(exist_ok=True)
+        with HostBed(1, probe, probe / "logs") as bed:
+            seen = bed.hosts[0].run(["sh", "-c", "hostname; ip -o -4 addr show eth0"])
+        if bed.hosts[0].name not in seen or bed.hosts[0].ip not in seen:
+            return f"a simulated host does not have its own hostname and address: {seen.strip()}"
+    except Exception as exc:
+        return f"cannot make a simulated host: {exc}"
+    finally:
+        shutil.rmtree(probe, ignore_errors=True)
+    return None
+
+
+def main() -> int:
+    swept = sweep() if os.geteuid() == 0 and shutil.which("ip") else []
+    reason = unavailable()
+    if reason:
+        print(reason)
+        return 1
+    left = f"; swept leftovers of earlier runs: {', '.join(swept)}" if swept else ""
+    print(f"simulated hosts available (network, UTS, mount and PID namespaces){left}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
