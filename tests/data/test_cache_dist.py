@@ -144,3 +144,56 @@ def test_without_a_process_group_node_scope_is_a_local_cache() -> None:
     assert [ds[i] for i in (0, 1, 0)] == [0, 1, 0]
     assert ds.stats(reduce="node") == ds.stats(reduce="world") == ds.stats()
     ds.close()
+
+
+def _val_first(train: CountingDataset, val: CountingDataset) -> str:
+    # Local rank 1 of each node builds its validation cache first, as a rank that evaluates before training would.
+    order = (val, train) if idist.get_local_rank() == 1 else (train, val)
+    try:
+        first = CachedDataset(order[0], scope="node", capacity_bytes=1 << 20)
+        second = CachedDataset(order[1], scope="node", capacity_bytes=1 << 20)
+    except ValueError as exc:
+        return str(exc)
+    caches = {id(order[0]): first, id(order[1]): second}
+    if idist.get_local_rank() == 0:
+        caches[id(train)][0]  # stores training sample 0
+    idist.barrier()
+    return f"no error; validation sample 0 is {caches[id(val)][0]['x'][0].item()}"  # 1000.0 unless mixed
+
+
+@pytest.mark.distributed
+def test_node_caches_built_in_different_orders_raise_on_every_rank_instead_of_mixing(world: World) -> None:
+    train, val = CountingDataset(N, context="forkserver"), CountingDataset(N, offset=1000, context="forkserver")
+    messages = world(_val_first, train, val, nproc_per_node=2, deadline=60)
+    for message in messages:
+        assert "construct different caches at this call" in message, messages
+        assert "same order on every rank" in message and "name=" in message
+        assert CachedDataset.__module__ not in message  # names are the datasets', not the cache's
+        assert message.count("CountingDataset[32]#") == 4  # two nodes, two names each
+    assert len(set(messages)) == 1
+    assert train.loads() == val.loads() == [0] * N
+
+
+def _named(base: CountingDataset, explicit: bool) -> tuple[str, float] | str:
+    # A public attribute that differs by rank, though the samples do not: the default names differ.
+    base.delay = 0.001 * idist.get_local_rank()
+    try:
+        ds = CachedDataset(base, scope="node", capacity_bytes=1 << 20, name="shapes/train" if explicit else None)
+    except ValueError as exc:
+        return str(exc)
+    if idist.get_local_rank() == 0:
+        ds[3]
+    idist.barrier()
+    value = ds[3]["x"][0].item()  # from the node's one cache: loaded once per node
+    idist.barrier()
+    ds.close()
+    return ds.name, value
+
+
+@pytest.mark.distributed
+def test_the_same_name_on_every_rank_pairs_node_caches_that_default_names_would_not(world: World) -> None:
+    base = CountingDataset(N, context="forkserver")
+    refused = world(_named, base, False, nproc_per_node=2, deadline=60)
+    assert all("different caches" in str(r) and "node 1, by local rank" in str(r) for r in refused), refused
+    assert world(_named, base, True, nproc_per_node=2, deadline=60) == [("shapes/train", 3.0)] * 4
+    assert base.loads()[3] == 2  # once per node

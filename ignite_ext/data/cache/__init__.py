@@ -3,18 +3,44 @@
 The modules of this package:
 
 * ``dataset``: :class:`CachedDataset` and :class:`CacheStats`: load once, serve every worker and rank of a node;
+* ``identity``: what a dataset is, for pairing the node caches of ranks: the default ``name=``;
+* ``transforms``: augment after the cache; :class:`FrozenTransformWarning` when the dataset transforms inside it;
 * ``arena``: :class:`~ignite_ext.data.cache.arena.Arena`, one ``/dev/shm`` file per cache: index table, counters,
   bump-allocated data, publish-when-complete (its file layout in ``_mapping``);
-* ``shm``: the shared-memory directory: free space, what live caches may still claim, the sweep of stale arenas;
+* ``shm``: the shared-memory directory: free space, what this user's live caches may still claim, the sweep of
+  stale arenas, nothing of other users';
 * ``codec``: sample to bytes and back (a pickled skeleton plus the raw bytes of tensors and arrays);
 * ``_cow``: copy-on-write views of the cache file, so large buffers are lent, not copied;
 * ``handlers``: :class:`CacheStatsHandler`, the per-epoch hit rate into ``engine.state.metrics``.
 
+:class:`CacheStatsHandler` is loaded on first use (PEP 562): a DataLoader worker that unpickles a
+:class:`CachedDataset` imports neither ignite nor :mod:`ignite_ext.distributed`.
+
 .. versionadded:: 0.1.0
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from ignite_ext.data.cache.dataset import CachedDataset, CacheStats
-from ignite_ext.data.cache.handlers import CacheStatsHandler
+from ignite_ext.data.cache.transforms import FrozenTransformWarning
 from ignite_ext.errors import ShmSpaceError
 
-__all__ = ["CacheStats", "CacheStatsHandler", "CachedDataset", "ShmSpaceError"]
+if TYPE_CHECKING:
+    from ignite_ext.data.cache.handlers import CacheStatsHandler
+
+__all__ = ["CacheStats", "CacheStatsHandler", "CachedDataset", "FrozenTransformWarning", "ShmSpaceError"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "CacheStatsHandler":
+        from ignite_ext.data.cache.handlers import CacheStatsHandler
+
+        globals()[name] = CacheStatsHandler  # later lookups do not come back here
+        return CacheStatsHandler
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -15,18 +15,21 @@ import functools
 import operator
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-import ignite.distributed as idist
 from torch.utils.data import Dataset, get_worker_info
 
 from ignite_ext.data.cache.arena import Arena
 from ignite_ext.data.cache.codec import decode, encode
-from ignite_ext.distributed import agree
-from ignite_ext.distributed.agreement import disagreement
+from ignite_ext.data.cache.identity import default_name
+from ignite_ext.data.cache.transforms import FrozenTransformWarning, warn_if_frozen
 
-__all__ = ["CacheStats", "CachedDataset"]
+# ignite and ignite_ext.distributed are imported where a rank's main process needs them (construction, stats):
+# a DataLoader worker that unpickles the dataset (spawn) then loads neither, which keeps its memory down.
+
+__all__ = ["CacheStats", "CachedDataset", "FrozenTransformWarning"]  # the warning re-exported: users meet it here
 
 Scope = Literal["rank", "node"]
 Reduce = Literal["rank", "node", "world"]
@@ -97,12 +100,30 @@ class CachedDataset(Dataset[Any]):
             construct it (collectively, through :mod:`ignite.distributed`), over the same dataset, and the
             node's local rank 0 creates it (with its own ``capacity_bytes``).
         capacity_bytes: bytes of sample data the cache may hold. ``None``: half of the free space of
-            ``/dev/shm`` at construction, less what live caches may still claim; with ``scope="rank"`` in a
-            distributed job, that half is split evenly between the ranks of the node.
+            ``/dev/shm`` at construction, less what this user's live caches may still claim; with
+            ``scope="rank"`` in a distributed job, that half is split evenly between the ranks of the node.
+        transform: applied to every sample read, after the cache, in the process that reads it (a DataLoader
+            worker): ``transform(sample)``, where ``sample`` is what ``dataset[index]`` returned. The cache holds
+            the untransformed sample, so a random augmentation is drawn anew on every read. (Torchvision's
+            ``transforms.v2`` accept ``(image, label)`` pairs as they are.) When ``dataset`` has a ``transform``,
+            ``target_transform`` or ``transforms`` attribute that is not None, rank 0 warns once
+            (:class:`~ignite_ext.data.cache.FrozenTransformWarning`): that one runs inside ``dataset[index]``
+            and is cached.
+        name: what the cache is of. With ``scope="node"`` the ranks of a node must construct caches of the same
+            name at the same call, or every rank raises (a rank that builds its validation cache first never
+            reads the training samples). ``None``: :func:`~ignite_ext.data.cache.identity.default_name`, the
+            dataset's type, length and a cheap fingerprint of its public attributes, the same in every process.
+
+    Attributes:
+        dataset: the wrapped dataset.
+        scope: ``"rank"`` or ``"node"``.
+        transform: what is applied after the cache, or None.
+        name: the cache's name: the one given, or the default.
 
     Raises:
-        ValueError: ``scope`` is unknown, ``capacity_bytes`` is not positive, or (node scope) the ranks of a node
-            wrap datasets of different lengths.
+        ValueError: ``scope`` is unknown, ``capacity_bytes`` is not positive, ``name`` is not a non-empty
+            string, or (node scope) the ranks of a node wrap datasets of different lengths or names.
+        TypeError: ``transform`` is not callable.
         ShmSpaceError: ``/dev/shm`` cannot hold the cache (too little free space for the index plus 1 MiB of data
             by default, or less than ``capacity_bytes`` plus the index).
 
@@ -116,18 +137,46 @@ class CachedDataset(Dataset[Any]):
         CacheStats(hits=1, misses=1, entries=1, bytes=72)
         >>> ds.close()
 
+        A random augmentation after the cache is drawn anew on every read; the cache keeps the plain sample:
+
+        >>> noisy = CachedDataset([torch.zeros(2)], capacity_bytes=1 << 20, transform=lambda x: x + torch.rand(2))
+        >>> bool((noisy[0] != noisy[0]).all()), noisy.stats().hits
+        (True, 1)
+        >>> noisy.name
+        'builtins.list[1]#...'
+        >>> noisy.close()
+
     .. versionadded:: 0.1.0
+    .. versionchanged:: 0.2.0
+       ``transform`` and ``name``.
     """
 
-    def __init__(self, dataset: _MapStyle, *, scope: Scope = "rank", capacity_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        dataset: _MapStyle,
+        *,
+        scope: Scope = "rank",
+        capacity_bytes: int | None = None,
+        transform: Callable[[Any], Any] | None = None,
+        name: str | None = None,
+    ) -> None:
+        import ignite.distributed as idist
+
         if scope not in _SCOPES:
             raise ValueError(f"scope must be one of {_SCOPES}, got {scope!r}")
+        if transform is not None and not callable(transform):
+            raise TypeError(f"transform must be callable, got {transform!r}")
         self.dataset = dataset
         self.scope: Scope = scope
+        self.transform = transform
         self._len = len(dataset)
+        if idist.get_rank() == 0:
+            warn_if_frozen(dataset, stacklevel=2)
         if scope == "node" and idist.get_world_size() > 1:
-            self._arena, self._row = _node_arena(self._len, capacity_bytes), idist.get_local_rank()
+            self._arena, self.name = _node_arena(dataset, self._len, capacity_bytes, name)
+            self._row = idist.get_local_rank()
         else:
+            self.name = _checked_name(dataset, name)
             # Every rank of the node creates one at the same time: they split the default capacity evenly.
             peers = idist.get_nproc_per_node() if idist.get_world_size() > 1 else 1
             self._arena, self._row = Arena.create(self._len, capacity_bytes, share=peers), 0
@@ -164,6 +213,11 @@ class CachedDataset(Dataset[Any]):
             i += self._len
         if not 0 <= i < self._len:
             raise IndexError(f"index {index} out of range for a dataset of {self._len} samples")
+        sample = self._read(i)
+        return sample if self.transform is None else self.transform(sample)
+
+    def _read(self, i: int) -> Any:
+        """Sample ``i`` from the cache, or loaded (and stored if it can be); counted either way."""
         arena = self._arena
         raw = arena.lookup(i)
         if raw is not None:
@@ -174,7 +228,7 @@ class CachedDataset(Dataset[Any]):
         try:
             enc = encode(sample)
         except Exception as exc:  # e.g. an object pickle refuses: the sample is still good, only not cacheable
-            warnings.warn(f"sample {i} cannot be cached and is served uncached: {exc!r}", RuntimeWarning, stacklevel=2)
+            warnings.warn(f"sample {i} cannot be cached and is served uncached: {exc!r}", RuntimeWarning, stacklevel=3)
             arena.count(self._row, self._count_slot(), misses=1)
             return sample
         offset = arena.reserve(i, enc.nbytes, enc.page_offset)
@@ -186,7 +240,7 @@ class CachedDataset(Dataset[Any]):
         arena.count(
             self._row, self._count_slot(), misses=1, entries=int(published), nbytes=enc.nbytes if published else 0
         )
-        return sample
+        return sample  # already encoded: a transform that modifies it in place cannot reach the cache
 
     def _before_publish(self, index: int) -> None:
         """Run between writing a sample and publishing it; a seam for crash tests, nothing to do otherwise."""
@@ -216,6 +270,11 @@ class CachedDataset(Dataset[Any]):
 
         .. versionadded:: 0.1.0
         """
+        import ignite.distributed as idist
+
+        from ignite_ext.distributed import agree
+        from ignite_ext.distributed.agreement import disagreement
+
         own = self._arena.totals(self._row)
         distributed = idist.get_world_size() > 1
         if reduce == "rank" or (reduce in _REDUCTIONS and not distributed):
@@ -247,23 +306,53 @@ class CachedDataset(Dataset[Any]):
         self._arena.close()
 
 
-def _node_arena(n: int, capacity_bytes: int | None) -> Arena:
-    """Create the node's arena on its local rank 0 and attach it on the other ranks of the node (collective)."""
+def _checked_name(dataset: Any, name: str | None) -> str:
+    if name is None:
+        return default_name(dataset)
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty string, got {name!r}")
+    return name
+
+
+def _node_arena(dataset: Any, n: int, capacity_bytes: int | None, name: str | None) -> tuple[Arena, str]:
+    """Create the node's arena on its local rank 0 and attach it on the other ranks of the node (collective).
+
+    Every rank sends its node, local rank, length, cache name and (local rank 0) the arena's path; the ranks of
+    each node must agree on the length and the name, or every rank raises.
+    """
+    import ignite.distributed as idist
+
+    from ignite_ext.distributed import agree
+    from ignite_ext.distributed.agreement import disagreement
+
     node, local_rank = idist.get_node_rank(), idist.get_local_rank()
     created: list[Arena] = []
 
-    def setup() -> tuple[int, int, int, str]:
+    def setup() -> tuple[int, int, int, str, str]:
+        mine = _checked_name(dataset, name)
         if local_rank == 0:
             created.append(Arena.create(n, capacity_bytes, rows=idist.get_nproc_per_node()))
-        return node, local_rank, n, created[0].path if created else ""
+        return node, local_rank, n, mine, created[0].path if created else ""
 
-    def lengths_differ(entries: list[tuple[int, int, int, str]]) -> str | None:
+    def differ(entries: list[tuple[int, int, int, str, str]]) -> str | None:
         lengths = sorted({(e[0], e[2]) for e in entries})
-        if len(lengths) == len({e[0] for e in entries}):
+        if len(lengths) != len({e[0] for e in entries}):
+            return f"ranks of one node wrap datasets of different lengths (node, length): {lengths}"
+        names = []
+        for nd in sorted({e[0] for e in entries}):
+            by_local_rank = [e[3] for e in sorted(e for e in entries if e[0] == nd)]
+            if (problem := disagreement(by_local_rank)) is not None:
+                names.append(f"node {nd}, by local rank: {problem}")
+        if not names:
             return None
-        return f"ranks of one node wrap datasets of different lengths (node, length): {lengths}"
+        return (
+            f"ranks of one node construct different caches at this call ({'; '.join(names)}). Construct the "
+            "node caches in the same order on every rank, or, if these are the same dataset, pass the same "
+            "name= on every rank"
+        )
 
-    entries = agree(setup, "creating the node cache", check=lengths_differ)
+    entries = agree(setup, "creating the node cache", check=differ)
+    mine = next(e[3] for e in entries if e[0] == node and e[1] == local_rank)
     if created:
-        return created[0]
-    return Arena.attach(next(path for nd, lr, _, path in entries if nd == node and lr == 0))
+        return created[0], mine
+    return Arena.attach(next(e[4] for e in entries if e[0] == node and e[1] == 0)), mine
