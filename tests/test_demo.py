@@ -23,7 +23,8 @@ TIMEOUT_S = 240.0
 def test_demo_fetches_once_per_node_and_hits_the_cache_from_epoch_two() -> None:
     proc = subprocess.Popen(
         [
-            *(sys.executable, "-m", "ignite_ext", "demo", "--epochs", "2", "--samples", "400", "--no-progress"),
+            # With progress bars asked for: stdout and stderr are pipes here, as in a job log, so none may be drawn.
+            *(sys.executable, "-m", "ignite_ext", "demo", "--epochs", "2", "--samples", "400"),
             *("--timeout", str(TIMEOUT_S - 30)),  # the demo kills its node launchers itself when time is up
         ],
         cwd=REPO,
@@ -53,3 +54,15 @@ def test_demo_fetches_once_per_node_and_hits_the_cache_from_epoch_two() -> None:
     assert [(epoch, rate) for epoch, rate, _ in rows] == [("1", "0"), ("2", "100")], out
     assert rows[0][2] == "400" and rows[1][2] == "0", out
     assert "training samples: 400" in out
+    # Each rank's line says what it counts: its reads, split into cache hits and loads from storage.
+    ranks = re.findall(
+        r"^\[rank (\d) \| node \d\].* shard: (\d+) samples  samples read by this rank: (\d+) "
+        r"\((\d+) from the cache, (\d+) from storage; (\d+) stored\)",
+        out,
+        re.M,
+    )
+    assert [r[0] for r in ranks] == ["0", "1", "2", "3"], out
+    for _, shard, reads, hits, loads, _ in ranks:
+        assert int(reads) == 2 * int(shard) == int(hits) + int(loads), out
+    assert sum(int(r[4]) for r in ranks) == sum(int(r[5]) for r in ranks) == 400, out
+    assert "\r" not in out + err, "a progress bar was drawn into a pipe"

@@ -3,9 +3,10 @@
 Offline by default: it makes a small image-classification archive, serves it on 127.0.0.1, and launches the
 ranks as simulated nodes with ``idist.Parallel`` (one launcher process per node, each with its own node-local
 data directory). The ranks fetch the archive once per node directory (``SharedPath`` + ``download_url``), train a
-small CNN with ignite's ``Engine`` on ``ShardedDistributedSampler`` + ``CachedDataset``, print per-rank
-summaries one at a time (``Ordered``), and the demo ends with a table of bytes fetched, cache hit rates and epoch
-times.
+small CNN with ignite's ``Engine`` on ``ShardedDistributedSampler`` + ``CachedDataset`` (decoded images cached, a
+random flip applied after the cache), print per-rank summaries one at a time (``Ordered``: samples read by the rank,
+how many from the cache and how many from storage), and the demo ends with a table of bytes fetched, cache hit
+rates and epoch times. Download progress bars appear only on a terminal.
 
 .. versionadded:: 0.1.0
 """
@@ -140,7 +141,7 @@ def _report(args: argparse.Namespace, result: dict[str, Any], archive_bytes: int
             f"{h['epoch']:5d} | {h['seconds']:7.2f} | {h['hit_rate']:14.0%} | {int(h['storage_reads']):13d} | "
             f"{h['loss']:.3f}"
         )
-    print(f"training samples: {result['train_samples']} (each read from storage once per node)")
+    print(f"training samples: {result['train_samples']} (each read from storage once, by the node whose shard has it)")
     print(f"validation accuracy: {result['accuracy']:.3f}")
 
 

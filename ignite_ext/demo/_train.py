@@ -15,7 +15,7 @@ from torch import nn
 
 import ignite_ext.distributed as idist
 from ignite_ext.data import CachedDataset, CacheStatsHandler, ShardedDistributedSampler, download_url
-from ignite_ext.demo.data import NUM_CLASSES, ShapesDataset
+from ignite_ext.demo.data import NUM_CLASSES, ShapesDataset, random_flip
 
 __all__ = ["DemoConfig", "training"]
 
@@ -99,7 +99,8 @@ def training(local_rank: int, cfg: DemoConfig) -> None:
     rank, node = idist.get_rank(), idist.get_node_rank()
     data, fetched, fetch_seconds = _fetch(cfg)
 
-    train_set = CachedDataset(ShapesDataset(data, "train"), scope="node")
+    # Decoded images are cached; the random flip runs in the DataLoader workers on every read.
+    train_set = CachedDataset(ShapesDataset(data, "train"), scope="node", transform=random_flip)
     sampler = ShardedDistributedSampler(train_set, shard_by="node")
     loader = idist.auto_dataloader(
         train_set,
@@ -132,7 +133,8 @@ def training(local_rank: int, cfg: DemoConfig) -> None:
     with idist.rank_scheduler(order=idist.Ordered()):
         print(
             f"[rank {rank} | node {node}] fetched: {'yes' if fetched else 'no '} ({fetch_seconds:.2f} s)  "
-            f"shard: {len(sampler)} samples  cache entries read by this rank: {own.hits + own.misses}  "
+            f"shard: {len(sampler)} samples  samples read by this rank: {own.hits + own.misses} "
+            f"({own.hits} from the cache, {own.misses} from storage; {own.entries} stored)  "
             f"hit rate by epoch: {rates}",
             flush=True,
         )

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-__all__ = ["CountingServer", "ShapesDataset", "make_archive", "sha256_of"]
+__all__ = ["CountingServer", "ShapesDataset", "make_archive", "random_flip", "sha256_of"]
 
 NUM_CLASSES = 10
 IMAGE_SIZE = 16
@@ -102,6 +102,22 @@ class ShapesDataset(Dataset[tuple[torch.Tensor, int]]):
         path, label = self.files[index]
         image = torch.load(path, weights_only=True).float().div_(255.0)
         return image, label
+
+
+def random_flip(sample: tuple[torch.Tensor, int]) -> tuple[torch.Tensor, int]:
+    """Flip the image left to right, with probability 1/2: the demo's augmentation, applied after the cache.
+
+    Examples:
+        >>> import torch
+        >>> from ignite_ext.demo.data import random_flip
+        >>> image = torch.arange(3.0).view(1, 1, 3)
+        >>> sorted({tuple(random_flip((image, 4))[0].flatten().tolist()) for _ in range(64)})
+        [(0.0, 1.0, 2.0), (2.0, 1.0, 0.0)]
+
+    .. versionadded:: 0.2.0
+    """
+    image, label = sample
+    return (image.flip(-1) if torch.rand(()) < 0.5 else image), label
 
 
 class _CountingHandler(http.server.SimpleHTTPRequestHandler):

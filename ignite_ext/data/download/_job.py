@@ -71,8 +71,36 @@ class NoBar:
 
 
 def progress_bar(enabled: bool, total: int | None, initial: int, label: str) -> Any:
-    if not (enabled and sys.stderr.isatty()):  # a job log gets no carriage returns
+    """A tqdm bar on stderr if ``enabled`` and stderr is a terminal, else :class:`NoBar`.
+
+    A bar redraws itself with carriage returns: in a job log (a file or a pipe) they would run into the log lines.
+
+    Examples:
+        >>> import io, sys
+        >>> from ignite_ext.data.download._job import NoBar, progress_bar
+        >>> saved, sys.stderr = sys.stderr, io.StringIO()  # a job log: not a terminal
+        >>> with progress_bar(True, 100, 0, "a.bin") as bar:
+        ...     bar.update(100)
+        >>> type(bar).__name__, sys.stderr.getvalue()
+        ('NoBar', '')
+        >>> sys.stderr = None  # no stderr at all
+        >>> isinstance(progress_bar(True, 100, 0, "a.bin"), NoBar)
+        True
+        >>> sys.stderr = saved
+    """
+    stream = sys.stderr
+    isatty = getattr(stream, "isatty", None)
+    if not (enabled and isatty is not None and isatty()):  # also no stderr at all (pythonw, some daemons)
         return NoBar()
     from tqdm.auto import tqdm  # only a process that shows a bar imports it
 
-    return tqdm(total=total, initial=initial, unit="B", unit_scale=True, unit_divisor=1024, desc=label, leave=False)
+    return tqdm(
+        total=total,
+        initial=initial,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc=label,
+        leave=False,
+        file=stream,  # the very stream found to be a terminal
+    )
