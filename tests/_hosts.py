@@ -9,9 +9,8 @@ A :class:`HostBed` of ``n`` hosts is made by the test itself, and always torn do
   veth pair to the bed's bridge, ``eth0`` with ``10.77.0.<k+1>/24``. Killing that init kills every process of
   the host at once (the kernel does it: torchrun's workers run in sessions of their own, so no process group
   would reach them all), and so does the end of the pipe, should this process die.
-* **Commands** enter a host through ``nsenter`` (:meth:`Host.start`); :meth:`HostBed.torchrun` starts one
-  torchrun agent per host, ``--master_addr`` being host 0's address, running a body through
-  :mod:`tests.hosts._rank` on every rank.
+* **Commands** enter a host through ``nsenter`` (:meth:`Host.start`); ``tests.hosts._jobs`` runs torchrun jobs
+  (one agent per host, ``--master_addr`` being host 0's address) and an HTTP server on them.
 * **Faults**: :meth:`Host.kill` (the whole host, all its processes), :meth:`Host.cut` (its link set down).
 * **Teardown** (:meth:`HostBed.close`, which the fixtures call also when a test fails or times out) kills every
   host's init, waits for its launcher, deletes the veth links and the bridge. The mounts lived in the hosts'
@@ -31,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import os
 import re
 import secrets
@@ -41,19 +39,15 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 __all__ = [
     "RUN_ROOT",
     "UNAVAILABLE_ENV",
     "Host",
     "HostBed",
-    "Job",
-    "Server",
     "links",
     "sweep",
     "unavailable",
@@ -62,8 +56,6 @@ __all__ = [
 ROOT = Path(__file__).resolve().parents[1]
 RUN_ROOT = Path("/run/ignite_ext_hosts")
 UNAVAILABLE_ENV = "IGNITE_EXT_HOSTS_UNAVAILABLE"
-OUT_ENV = "IGNITE_EXT_HOSTS_OUT"  # tests/hosts/_rank.py: where a rank writes its record (as its host sees it)
-PG_TIMEOUT_ENV = "IGNITE_EXT_HOSTS_PG_TIMEOUT"  # tests/hosts/_rank.py: the process group's timeout
 _PREFIX = "ietb"
 _LINK_RE = re.compile(r"^(ietb[0-9a-f]{5})(br|v\d+)$")
 _SUBNET = "10.77.0"
@@ -218,7 +210,7 @@ class HostBed:
         self.hosts: list[Host] = []
         self._keepers: list[subprocess.Popen[bytes]] = []
         self._launched: list[subprocess.Popen[bytes]] = []
-        self._jobs = 0
+        self.jobs = 0  # torchrun jobs started (tests.hosts._jobs)
         # Registered before anything exists, by a rename, so that a sweep never sees a bed without its owner.
         RUN_ROOT.mkdir(parents=True, exist_ok=True)
         pending = RUN_ROOT / f".{self.prefix}"
@@ -315,45 +307,6 @@ class HostBed:
         self._launched.append(proc)
         return proc
 
-    def serve(self, host: Host, directory: Path, port: int = 8000) -> Server:
-        """Serve ``directory`` (as ``host`` sees it) over HTTP on ``host``'s address, until the bed closes."""
-        log = f"http.{host.index}.{port}.log"
-        argv = [sys.executable, "-m", "http.server", "--bind", host.ip, "--directory", str(directory), str(port)]
-        server = Server(f"http://{host.ip}:{port}", self.logs / log, self.start(host, argv, self.env(), log))
-        end = time.monotonic() + _SETUP_TIMEOUT
-        while "Serving HTTP" not in server.log.read_text():
-            if server.proc.poll() is not None or time.monotonic() > end:
-                raise RuntimeError(f"the HTTP server on {host.name} did not start: {server.log.read_text()}")
-            time.sleep(0.05)
-        return server
-
-    def torchrun(
-        self,
-        target: str,
-        *args: Any,
-        nproc_per_node: int = 2,
-        env: dict[str, str] | None = None,
-        pg_timeout: float = 60.0,
-        hosts: Sequence[Host] | None = None,
-    ) -> Job:
-        """Run ``target`` (``"module:function"``) with the JSON-able ``args`` on every rank, one torchrun per host."""
-        hosts = list(hosts or self.hosts)
-        n, self._jobs = self._jobs, self._jobs + 1
-        out = self.shared / f"job{n}"
-        out.mkdir()
-        port = str(29500 + n)  # every host's network is its own: no port of this machine can be taken
-        procs, logs = [], []
-        for node, host in enumerate(hosts):
-            argv = [
-                *(sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(hosts)}", f"--node_rank={node}"),
-                *(f"--nproc_per_node={nproc_per_node}", f"--master_addr={hosts[0].ip}", f"--master_port={port}"),
-                *("-m", "tests.hosts._rank", target, json.dumps(list(args))),
-            ]
-            host_env = self.env(**{OUT_ENV: str(host.sees(out, self)), PG_TIMEOUT_ENV: str(pg_timeout), **(env or {})})
-            logs.append(self.logs / f"job{n}.host{host.index}.log")
-            procs.append(self.start(host, argv, host_env, logs[-1].name))
-        return Job(self, out, procs, logs, len(hosts) * nproc_per_node)
-
     def close(self) -> None:
         """Kill every host and everything started in it; delete the links, the bridge and the registration."""
         for keeper in self._keepers:
@@ -380,106 +333,6 @@ class HostBed:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-_REQUEST_RE = re.compile(r'^(\S+) - - \[[^\]]*\] "(\w+) (\S+) [^"]*" (\d{3})', re.M)
-
-
-@dataclass
-class Server:
-    """The standard library's HTTP server in a host: its log names the client address of every request."""
-
-    url: str
-    log: Path
-    proc: subprocess.Popen[bytes]
-
-    def requests(self) -> list[tuple[str, str, str, int]]:
-        """``(client address, method, path, status)`` of every request so far."""
-        return [(ip, m, path, int(status)) for ip, m, path, status in _REQUEST_RE.findall(self.log.read_text())]
-
-
-@dataclass
-class Job:
-    """A body running on every rank of a :meth:`HostBed.torchrun`; records and marks appear in ``out``."""
-
-    bed: HostBed
-    out: Path  # as this namespace sees it
-    procs: list[subprocess.Popen[bytes]]
-    logs: list[Path]
-    world_size: int
-    seen: dict[int, dict[str, Any]] = field(default_factory=dict)
-
-    def results(self) -> dict[int, dict[str, Any]]:
-        """The record of every rank that has finished so far: ``{"ok": True, "value": ...}`` or the error."""
-        for path in self.out.glob("rank*.json"):
-            self.seen.setdefault(int(path.stem[4:]), json.loads(path.read_text()))
-        return dict(self.seen)
-
-    def marks(self, name: str) -> dict[int, float]:
-        """When each rank wrote mark ``name`` (``tests.hosts._rank.mark``), by the machine's monotonic clock."""
-        return {int(p.suffix[1:]): float(p.read_text() or 0) for p in self.out.glob(f"{name}.*") if p.stat().st_size}
-
-    def output(self, chars: int = 4000) -> str:
-        """The tail of every launcher's output, for failure messages."""
-        return "\n".join(f"--- {log.name}:\n{log.read_text(errors='replace')[-chars:]}" for log in self.logs)
-
-    def _until(self, done: Any, what: str, timeout: float) -> None:
-        end = time.monotonic() + timeout
-        while not done():
-            if time.monotonic() > end:
-                if self.dump_stacks():
-                    time.sleep(0.5)
-                raise AssertionError(f"{what} not within {timeout:.0f} s\n{self.output()}")
-            if all(p.poll() is not None for p in self.procs) and not done():
-                raise AssertionError(f"every launcher ended before {what}\n{self.output()}")
-            time.sleep(0.05)
-
-    def dump_stacks(self) -> int:
-        """Ask every rank still running for its Python stacks (into the logs); return how many were asked."""
-        asked = 0
-        for host in self.bed.hosts:
-            for pid in host.pids():
-                with contextlib.suppress(OSError):
-                    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-                    # torchrun's agent runs the same command line, but has no LOCAL_RANK: only ranks handle SIGUSR1
-                    if (
-                        b"tests.hosts._rank" in cmdline
-                        and b"\0LOCAL_RANK=" in Path(f"/proc/{pid}/environ").read_bytes()
-                    ):
-                        os.kill(pid, signal.SIGUSR1)
-                        asked += 1
-        return asked
-
-    def wait_marks(self, name: str, ranks: Sequence[int], timeout: float = 90.0) -> dict[int, float]:
-        """Wait until ``ranks`` wrote mark ``name``; return when each did."""
-        self._until(lambda: set(ranks) <= set(self.marks(name)), f"mark {name!r} of ranks {list(ranks)}", timeout)
-        return self.marks(name)
-
-    def wait(self, ranks: Sequence[int] | None = None, timeout: float = 90.0) -> dict[int, dict[str, Any]]:
-        """Wait for the records of ``ranks`` (all by default); fail at the deadline, naming the missing ones."""
-        wanted = set(range(self.world_size) if ranks is None else ranks)
-        self._until(lambda: wanted <= set(self.results()), f"the records of ranks {sorted(wanted)}", timeout)
-        return {r: self.seen[r] for r in sorted(wanted)}
-
-    def values(self, timeout: float = 90.0) -> list[Any]:
-        """Every rank's value, or fail with every failing rank's error and the launchers' output."""
-        records = self.wait(timeout=timeout)
-        bad = [
-            f"rank {r}: {rec['exc_type']}: {rec['message']}\n{rec['traceback']}"
-            for r, rec in records.items()
-            if not rec["ok"]
-        ]
-        if bad:
-            raise AssertionError("some ranks failed:\n" + "\n".join(bad) + "\n" + self.output())
-        return [records[r]["value"] for r in range(self.world_size)]
-
-    def exit_codes(self, timeout: float = 60.0) -> list[int | None]:
-        """Wait until every launcher ended (at most ``timeout``); their exit codes (None: still running)."""
-        end = time.monotonic() + timeout
-        for proc in self.procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(max(0.01, end - time.monotonic()))
-        return [p.poll() for p in self.procs]
 
 
 @functools.cache

@@ -22,7 +22,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from tests._hosts import OUT_ENV, PG_TIMEOUT_ENV
+from tests.hosts._jobs import OUT_ENV, PG_TIMEOUT_ENV
 
 __all__ = ["main", "mark", "out_dir"]
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests._hosts import Server
+from tests.hosts._jobs import Server, serve, torchrun
 from tests.hosts.conftest import make_bed
 
 pytestmark = [pytest.mark.distributed, pytest.mark.multinode, pytest.mark.timeout(240)]
@@ -33,10 +33,10 @@ def census(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     served.mkdir()
     for name in ("local.bin", "shared.bin"):
         (served / name).write_bytes(payload)
-    server = bed.serve(bed.hosts[0], served)
+    server = serve(bed, bed.hosts[0], served)
     sha256 = hashlib.sha256(payload).hexdigest()
-    job = bed.torchrun(
-        "tests.hosts._bodies:census", f"{server.url}/local.bin", f"{server.url}/shared.bin", sha256, SAMPLES
+    job = torchrun(
+        bed, "tests.hosts._bodies:census", f"{server.url}/local.bin", f"{server.url}/shared.bin", sha256, SAMPLES
     )
     return {"bed": bed, "server": server, "sha256": sha256, "seen": job.values(timeout=150)}
 

@@ -14,6 +14,7 @@ from ignite_ext.demo._train import DemoConfig
 from ignite_ext.demo.data import make_archive, sha256_of
 from tests._hosts import HostBed
 from tests.hosts._demo_node import PER_HOST
+from tests.hosts._jobs import serve
 
 pytestmark = [pytest.mark.distributed, pytest.mark.multinode, pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -24,7 +25,7 @@ NODE_ROOT = "/tmp/ignite_ext_demo/data"  # one path, a directory of each host's 
 def test_the_demo_fetches_once_per_host_and_reads_each_sample_once_per_host(bed2: HostBed) -> None:
     bed = bed2
     archive = make_archive(bed.shared / "served", train=SAMPLES, val=100)
-    server = bed.serve(bed.hosts[0], archive.parent)
+    server = serve(bed, bed.hosts[0], archive.parent)
     out = bed.shared / "result.json"
     cfg = DemoConfig(f"{server.url}/{archive.name}", sha256_of(archive), (NODE_ROOT,), str(out), EPOCHS, progress=False)
     config = bed.shared / "config.json"

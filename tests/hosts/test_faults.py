@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 
-from tests._hosts import HostBed, Job
+from tests._hosts import HostBed
+from tests.hosts._jobs import Job, torchrun
 from tests.hosts.conftest import make_bed
 
 pytestmark = [pytest.mark.distributed, pytest.mark.multinode, pytest.mark.timeout(150)]
@@ -57,7 +58,8 @@ class Struck:
 
 
 def strike(bed: HostBed, how: str, victim: int, first: int, block_s: float) -> Struck:
-    job = bed.torchrun(
+    job = torchrun(
+        bed,
         "tests.hosts._bodies:wait_on",
         first,
         block_s,
