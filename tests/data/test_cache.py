@@ -316,6 +316,28 @@ def test_segments_of_a_killed_run_are_swept_by_the_next() -> None:
     assert not [n for n in os.listdir(shm.SHM_DIR) if n.startswith(f"ignite_ext_{os.geteuid()}_{proc.pid}_")]
 
 
+def test_the_sweep_removes_own_stale_files_of_both_namings_and_nothing_else() -> None:
+    dead = 2**22 + 1  # above the largest pid_max Linux allows, so no process has it
+    mine = [
+        f"ignite_ext_{os.geteuid()}_{dead}_cache_{'a' * 16}.arena",
+        f"ignite_ext_{os.geteuid()}_{dead}_cache_{'a' * 16}.lock",
+        f"ignite_ext_{dead}_cache_{'b' * 16}.arena",  # named as version 0.1 named them
+        f"ignite_ext_{os.geteuid()}_{dead}_cache_{'c' * 16}.lock",  # a lock file whose arena is gone
+    ]
+    others = [
+        f"ignite_ext_{os.geteuid() + 1}_{dead}_cache_{'d' * 16}.arena",  # another user's name
+        f"ignite_ext_{os.geteuid()}_{os.getpid()}_cache_{'e' * 16}.arena",  # a live creator
+        f"ignite_ext_{os.geteuid()}_{dead}_cache_{'f' * 16}.tmp",  # not an arena's name
+    ]
+    with shm_directory() as directory:
+        for name in mine + others:
+            open(os.path.join(directory, name), "w").close()
+        link = f"ignite_ext_{os.geteuid()}_{dead}_cache_{'9' * 16}.arena"
+        os.symlink(os.path.join(directory, others[1]), os.path.join(directory, link))  # never followed
+        assert sorted(os.path.basename(p) for p in sweep_stale(directory)) == sorted(mine)
+        assert sorted(os.listdir(directory)) == sorted([*others, link])
+
+
 @pytest.mark.distributed
 def test_stats_handler_reports_each_epochs_hit_rate(caplog: pytest.LogCaptureFixture) -> None:
     ds = CachedDataset(CountingDataset(16), capacity_bytes=1 << 20)

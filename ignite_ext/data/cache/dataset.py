@@ -86,10 +86,10 @@ class CachedDataset(Dataset[Any]):
     """Serve the samples of ``dataset`` from a shared-memory cache after their first load.
 
     The cache is created in the constructing process (a rank's main process) and reaches DataLoader workers by
-    pickling (only its shared-memory name travels; workers map it on first use), so it works with the ``fork``
-    and ``spawn`` start methods and with or without ``persistent_workers``. Samples are stored as a small header
-    plus the raw bytes of their tensors and arrays. Every read returns tensors and arrays of its own (copies under
-    64 KiB, private copy-on-write views of the cache from 64 KiB up, which cost no copy unless written to):
+    pickling (of the cache, only its shared-memory name travels; workers map it on first use), so it works with the
+    ``fork`` and ``spawn`` start methods and with or without ``persistent_workers``. Samples are stored as a small
+    header plus the raw bytes of their tensors and arrays. Every read returns tensors and arrays of its own (copies
+    under 64 KiB, private copy-on-write views of the cache from 64 KiB up, which cost no copy unless written to):
     modifying a sample never changes the cache, nor what a later read gets. Nothing is evicted: once the cache is
     full, samples not in it are loaded from ``dataset`` each time they are read (and counted as misses).
 

@@ -49,8 +49,9 @@ SHM_DIR = "/dev/shm"
 DEFAULT_FRACTION = 0.5
 #: Smallest data capacity worth creating a cache for.
 MIN_CAPACITY = 1 << 20
-#: The names of arenas and their lock files: the creating user's id, the creating pid, the kind of file.
-NAME_RE = re.compile(r"^ignite_ext_(?P<uid>\d+)_(?P<pid>\d+)_cache_[0-9a-f]+\.(?P<kind>arena|lock)$")
+#: The names of arenas and their lock files: the creating user's id, the creating pid, the kind of file. Names
+#: without the user id are those of version 0.1 (still swept, when they are the user's own files).
+NAME_RE = re.compile(r"^ignite_ext_(?:(?P<uid>\d+)_)?(?P<pid>\d+)_cache_[0-9a-f]+\.(?P<kind>arena|lock)$")
 
 
 def arena_stem(directory: str) -> str:
@@ -75,7 +76,7 @@ def _own_files(directory: str) -> list[tuple[str, re.Match[str], os.stat_result]
     with contextlib.suppress(FileNotFoundError), os.scandir(directory) as entries:
         for entry in entries:
             match = NAME_RE.match(entry.name)
-            if match is None or int(match["uid"]) != uid:
+            if match is None or (match["uid"] is not None and int(match["uid"]) != uid):
                 continue
             try:
                 st = entry.stat(follow_symlinks=False)
