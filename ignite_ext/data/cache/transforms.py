@@ -13,11 +13,16 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from ignite_ext.errors import IgniteExtError
+
 __all__ = ["FrozenTransformWarning", "warn_if_frozen"]
 
 
-class FrozenTransformWarning(UserWarning):
+class FrozenTransformWarning(IgniteExtError, UserWarning):
     """A wrapped dataset applies a transform inside ``__getitem__``: the cache would serve its first output forever.
+
+    A :class:`UserWarning`, and, like everything the package raises, an
+    :class:`~ignite_ext.errors.IgniteExtError` (where warnings are turned into errors).
 
     Torchvision's datasets apply ``transform`` (and ``target_transform``) when a sample is read: cached, a random
     augmentation is drawn once and then frozen. Pass the augmentation to
