@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ignite_ext.data import CachedDataset, ShardedDistributedSampler
+from ignite_ext.data.cache import ShmSpaceError
 from ignite_ext.data.cache.codec import LENDABLE
 from tests._world import World
 from tests.data.test_cache import CountingDataset
@@ -197,3 +198,18 @@ def test_the_same_name_on_every_rank_pairs_node_caches_that_default_names_would_
     assert all("different caches" in str(r) and "node 1, by local rank" in str(r) for r in refused), refused
     assert world(_named, base, True, nproc_per_node=2, deadline=60) == [("shapes/train", 3.0)] * 4
     assert base.loads()[3] == 2  # once per node
+
+
+def _too_large(base: CountingDataset) -> str:
+    capacity = 1 << 60 if idist.get_node_rank() == 1 else 1 << 20  # node 1's creating rank cannot have its cache
+    try:
+        CachedDataset(base, scope="node", capacity_bytes=capacity)
+    except ShmSpaceError as exc:
+        return str(exc)
+    return "created"
+
+
+@pytest.mark.distributed
+def test_a_node_cache_that_does_not_fit_raises_on_every_rank(world: World) -> None:
+    messages = world(_too_large, CountingDataset(N, context="forkserver"), nproc_per_node=2, deadline=60)
+    assert all(m.startswith("creating the node cache failed on rank(s) [2]") for m in messages), messages
