@@ -143,3 +143,14 @@ def wait_on(first: int, block_s: float) -> dict[str, Any]:
         seen["barrier"] = f"{type(exc).__name__}: {str(exc)[:300]}"
     seen["barrier_s"] = time.monotonic() - start
     return seen
+
+
+def over_remote(root: str, url: str, sha256: str) -> dict[str, Any]:
+    """SharedPath's census and concurrent downloads in ``root``, a directory every host mounts over the network."""
+    path = Path(root)
+    return {
+        "census": scenario(
+            lambda: idist.rank_scheduler(order=idist.SharedPath(path / "data")), path / "data" / "probe"
+        ),
+        "download": _download(url, path / "dl", sha256),
+    }
