@@ -22,8 +22,9 @@ Every bed uses the same subnet: a bed's hosts see nothing but their own bridge, 
 machine's namespace, so beds of concurrent runs cannot meet, and no traffic leaves the sandbox.
 
 ``python -m tests._hosts`` sweeps leftovers and says whether hosts can be simulated here (exit status 1 and the
-reason when they cannot); ``scripts/test.sh`` runs it and exports the reason in ``IGNITE_EXT_HOSTS_UNAVAILABLE``,
-with which the tests of ``tests/hosts`` skip.
+reason when they cannot) and whether the network filesystem of ``tests/hosts/_remote.py`` can be mounted;
+``scripts/test.sh`` runs it and exports the reason in ``IGNITE_EXT_HOSTS_UNAVAILABLE``, with which the tests of
+``tests/hosts`` skip.
 """
 
 from __future__ import annotations
@@ -368,8 +369,12 @@ def main() -> int:
     if reason:
         print(reason)
         return 1
+    from tests.hosts._remote import remote_unavailable  # it builds on this module
+
     left = f"; swept leftovers of earlier runs: {', '.join(swept)}" if swept else ""
-    print(f"simulated hosts available (network, UTS, mount and PID namespaces){left}")
+    remote = remote_unavailable()
+    network_fs = f"; !!! the network filesystem test will skip: {remote}" if remote else ""
+    print(f"simulated hosts available (network, UTS, mount and PID namespaces){left}{network_fs}")
     return 0
 
 

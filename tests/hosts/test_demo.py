@@ -18,13 +18,13 @@ from tests.hosts._jobs import serve
 
 pytestmark = [pytest.mark.distributed, pytest.mark.multinode, pytest.mark.slow, pytest.mark.timeout(240)]
 
-SAMPLES, EPOCHS, DEADLINE = 400, 2, 180.0
+SAMPLES, EPOCHS, DEADLINE = 160, 2, 180.0
 NODE_ROOT = "/tmp/ignite_ext_demo/data"  # one path, a directory of each host's own
 
 
 def test_the_demo_fetches_once_per_host_and_reads_each_sample_once_per_host(bed2: HostBed) -> None:
     bed = bed2
-    archive = make_archive(bed.shared / "served", train=SAMPLES, val=100)
+    archive = make_archive(bed.shared / "served", train=SAMPLES, val=40)
     server = serve(bed, bed.hosts[0], archive.parent)
     out = bed.shared / "result.json"
     cfg = DemoConfig(f"{server.url}/{archive.name}", sha256_of(archive), (NODE_ROOT,), str(out), EPOCHS, progress=False)
