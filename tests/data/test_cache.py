@@ -152,7 +152,7 @@ def test_full_cache_serves_the_rest_uncached_without_thrashing() -> None:
     epoch(dl)
     first = ds.stats()
     assert 0 < first.entries < 20 and first.bytes <= ds.capacity_bytes
-    cached = [i for i in range(20) if ds._arena.lookup(i) is not None]
+    cached = [i for i in range(20) if ds._tiers.ram.lookup(i) is not None]
     assert len(cached) == first.entries
     epoch(dl)
     epoch(dl)
@@ -189,7 +189,7 @@ def test_two_workers_loading_one_index_publish_it_once() -> None:
     twice = loader(ds, batch_size=1, sampler=[0, 0, 1, 1, 2, 2, 3, 3], shuffle=False)
     assert [b["i"].item() for b in twice] == [0, 0, 1, 1, 2, 2, 3, 3]
     assert base.loads() == [2, 2, 2, 2]
-    one_size = ds._arena.lookup(0).nbytes  # type: ignore[union-attr]
+    one_size = ds._tiers.ram.lookup(0).nbytes  # type: ignore[union-attr]
     st = ds.stats()
     assert (st.entries, st.misses, st.bytes) == (4, 8, 4 * one_size)
     assert sorted(epoch(loader(ds))) == [0, 1, 2, 3]
@@ -226,10 +226,10 @@ def test_worker_killed_between_write_and_publish_leaves_no_half_entry(monkeypatc
         signal.signal(signal.SIGCHLD, previous)
     k = KillBeforePublish.kill_index
     assert base.loads()[k] == 1
-    assert ds._arena.lookup(k) is None  # its bytes were written, but never published
+    assert ds._tiers.ram.lookup(k) is None  # its bytes were written, but never published
     sample = ds[k]  # loaded again, correctly, and now published
     assert base.loads()[k] == 2 and sample["x"][0] == float(k)
-    assert ds._arena.lookup(k) is not None
+    assert ds._tiers.ram.lookup(k) is not None
     assert ds[k]["x"][0] == float(k) and base.loads()[k] == 2
     ds.close()
 
@@ -338,20 +338,25 @@ def test_the_sweep_removes_own_stale_files_of_both_namings_and_nothing_else() ->
         assert sorted(os.listdir(directory)) == sorted([*others, link])
 
 
-@pytest.mark.distributed
-def test_stats_handler_reports_each_epochs_hit_rate(caplog: pytest.LogCaptureFixture) -> None:
-    ds = CachedDataset(CountingDataset(16), capacity_bytes=1 << 20)
+def run_with_handler(ds: CachedDataset, keys: tuple[str, ...], epochs: int) -> tuple[Engine, list[tuple[Any, ...]]]:
+    """Run an Engine over a loader of ``ds`` with a CacheStatsHandler; the metrics ``cache/<key>`` of every epoch."""
     engine = Engine(lambda engine, batch: None)
     CacheStatsHandler(ds, reduce="world").attach(engine, name="cache")
-    rates = []
+    rows = []
 
     @engine.on(Events.EPOCH_COMPLETED)
     def record(engine: Engine) -> None:
-        m = engine.state.metrics
-        rates.append((m["cache/hit_rate"], m["cache/hits"], m["cache/misses"], m["cache/entries"]))
+        rows.append(tuple(engine.state.metrics[f"cache/{key}"] for key in keys))
 
+    engine.run(loader(ds, persistent_workers=True), max_epochs=epochs)
+    return engine, rows
+
+
+@pytest.mark.distributed
+def test_stats_handler_reports_each_epochs_hit_rate(caplog: pytest.LogCaptureFixture) -> None:
+    ds = CachedDataset(CountingDataset(16), capacity_bytes=1 << 20)
     with caplog.at_level(logging.INFO):
-        engine.run(loader(ds, persistent_workers=True), max_epochs=3)
+        engine, rates = run_with_handler(ds, ("hit_rate", "hits", "misses", "entries"), epochs=3)
     assert rates == [(0.0, 0, 16, 16), (1.0, 16, 0, 16), (1.0, 16, 0, 16)]
     assert engine.state.metrics["cache/bytes"] == ds.stats().bytes
     assert "cache: hit rate 100.0% (16 hits, 0 misses)" in caplog.text

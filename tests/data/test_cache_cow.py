@@ -22,14 +22,14 @@ from ignite_ext.data.cache.codec import LENDABLE
 BIG = LENDABLE // 4  # float32 elements of a lendable tensor
 
 
-def lent(t: torch.Tensor, ds: CachedDataset) -> bool:
-    """Whether ``t``'s memory lies in a private (copy-on-write) mapping of ``ds``'s shared-memory file."""
-    address = t.data_ptr()
+def lent(t: torch.Tensor, ds: CachedDataset, tier: str = "ram") -> bool:
+    """Whether ``t``'s memory lies in a private (copy-on-write) mapping of the file of ``ds``'s ``tier``."""
+    address, wanted = t.data_ptr(), ds.segment if tier == "ram" else ds.disk_segment
     with open("/proc/self/maps") as maps:
         for line in maps:
             span, perms, *_, path = line.split()
             start, end = (int(a, 16) for a in span.split("-"))
-            if path == ds.segment and "p" in perms and start <= address < end:
+            if path == wanted and "p" in perms and start <= address < end:
                 return True
     return False
 

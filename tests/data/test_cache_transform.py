@@ -56,7 +56,7 @@ def test_a_random_transform_is_drawn_anew_every_epoch_in_the_workers(persistent:
         assert len({e[i] for e in epochs}) == 3, [e[i] for e in epochs]
     assert base.loads() == [1] * N  # while each sample was loaded once
     assert os.getpid() not in pids and len(pids) >= 2  # in the workers
-    cached = decode(ds._arena.lookup(0), lambda start, nbytes: None)  # type: ignore[arg-type]
+    cached = decode(ds._tiers.ram.lookup(0), lambda start, nbytes: None)  # type: ignore[arg-type]
     assert "noise" not in cached and cached["i"] == 0  # the cache holds the untransformed sample
     st = ds.stats()
     assert (st.misses, st.hits) == (N, 3 * N)

@@ -2,13 +2,16 @@
 
 The modules of this package:
 
-* ``dataset``: :class:`CachedDataset` and :class:`CacheStats`: load once, serve every worker and rank of a node;
+* ``dataset``: :class:`CachedDataset`: load once, serve every worker and rank of a node;
+* ``stats``: :class:`CacheStats`, the hits of each tier (RAM, disk) and the misses;
+* ``tiers``: the RAM arena, then the optional disk arena: placement, lookup, counting, creation (node setup);
 * ``identity``: what a dataset is, for pairing the node caches of ranks: the default ``name=``;
 * ``transforms``: augment after the cache; :class:`FrozenTransformWarning` when the dataset transforms inside it;
 * ``arena``: :class:`~ignite_ext.data.cache.arena.Arena`, one ``/dev/shm`` file per cache: index table, counters,
   bump-allocated data, publish-when-complete (its file layout in ``_mapping``);
 * ``shm``: the shared-memory directory: free space, what this user's live caches may still claim, the sweep of
-  stale arenas, nothing of other users';
+  stale arenas, nothing of other users' (the same rules serve the disk tier's directory);
+* ``disk``: the disk tier's directory: checks of ``disk_dir``, the network-filesystem heuristic;
 * ``codec``: sample to bytes and back (a pickled skeleton plus the raw bytes of tensors and arrays);
 * ``_cow``: copy-on-write views of the cache file, so large buffers are lent, not copied;
 * ``handlers``: :class:`CacheStatsHandler`, the per-epoch hit rate into ``engine.state.metrics``.
@@ -23,14 +26,23 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ignite_ext.data.cache.dataset import CachedDataset, CacheStats
+from ignite_ext.data.cache.dataset import CachedDataset
+from ignite_ext.data.cache.disk import NetworkFilesystemWarning
+from ignite_ext.data.cache.stats import CacheStats
 from ignite_ext.data.cache.transforms import FrozenTransformWarning
 from ignite_ext.errors import ShmSpaceError
 
 if TYPE_CHECKING:
     from ignite_ext.data.cache.handlers import CacheStatsHandler
 
-__all__ = ["CacheStats", "CacheStatsHandler", "CachedDataset", "FrozenTransformWarning", "ShmSpaceError"]
+__all__ = [
+    "CacheStats",
+    "CacheStatsHandler",
+    "CachedDataset",
+    "FrozenTransformWarning",
+    "NetworkFilesystemWarning",
+    "ShmSpaceError",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -1,7 +1,8 @@
 """The shared-memory store behind :class:`~ignite_ext.data.CachedDataset`: one arena file per cache in ``/dev/shm``.
 
 An arena is a plain tmpfs file mapped by every process that reads the cache, so its pages exist once per node
-however many processes map it. It holds::
+however many processes map it. A cache's disk tier is an arena too, of the same layout, in a directory on the
+node's disk (:mod:`~ignite_ext.data.cache.tiers`); its pages then live in the kernel's page cache. It holds::
 
     header (4 KiB) | index table: n x (state, offset, length) | counters | data (bump-allocated, 64-byte aligned)
 
@@ -112,7 +113,16 @@ class Arena:
 
     @classmethod
     def create(
-        cls, n: int, capacity: int | None = None, rows: int = 1, directory: str = SHM_DIR, share: int = 1
+        cls,
+        n: int,
+        capacity: int | None = None,
+        rows: int = 1,
+        directory: str = SHM_DIR,
+        share: int = 1,
+        *,
+        knob: str = "capacity_bytes",
+        advice: str | None = None,
+        sweep: bool = True,
     ) -> Arena:
         """Create an arena for ``n`` indices and ``capacity`` bytes of data; it is deleted when this process exits.
 
@@ -120,9 +130,13 @@ class Arena:
             n: number of dataset indices.
             capacity: bytes of sample data; ``None`` takes :data:`~.shm.DEFAULT_FRACTION` of the free space.
             rows: number of counter rows (one per rank sharing the arena).
-            directory: the tmpfs to create it in.
+            directory: the directory to create it in: a tmpfs (RAM), or a node-local disk for a disk tier.
             share: with ``capacity=None``, the number of caches being created together that split the default
                 (the ranks of a node, each creating its own): each takes ``1/share`` of it.
+            knob: the user's name of ``capacity``, for the errors.
+            advice: how to make room in ``directory``, for the errors; by default, how to enlarge a tmpfs.
+            sweep: whether to sweep this user's stale arenas in ``directory`` first (not where liveness cannot be
+                judged from this host: a filesystem that other hosts mount).
 
         Raises:
             ShmSpaceError: the tmpfs lacks room for the table plus ``capacity`` (or plus :data:`~.shm.MIN_CAPACITY`
@@ -132,11 +146,14 @@ class Arena:
         if n < 0:
             raise ValueError(f"n must be >= 0, got {n}")
         if capacity is not None and capacity <= 0:
-            raise ValueError(f"capacity_bytes must be positive, got {capacity}")
+            raise ValueError(f"{knob} must be positive, got {capacity}")
         if not os.path.isdir(directory):
             raise ShmSpaceError(f"{directory} does not exist: the cache needs a tmpfs for shared memory")
+        if advice is None:
+            advice = f"enlarge {directory} (e.g. docker run --shm-size=8g)"
         with shm.directory_lock(directory):  # concurrent creators must see each other's claims
-            shm.sweep_stale(directory)
+            if sweep:
+                shm.sweep_stale(directory)
             table_off = HEADER_BYTES
             stats_off = aligned(table_off + n * ENTRY_WORDS * 8)
             data_off = aligned(stats_off + rows * SLOTS_PER_ROW * SLOT_WORDS * 8, PAGE)  # see borrow()
@@ -149,13 +166,12 @@ class Arena:
                     raise ShmSpaceError(
                         f"{directory} has {free} bytes free, {unclaimed} of them not promised to this user's other "
                         f"caches; a cache of {n} samples needs {data_off} bytes for its index plus at least "
-                        f"{MIN_CAPACITY} for data. "
-                        "Enlarge it (e.g. docker run --shm-size=8g) or pass capacity_bytes."
+                        f"{MIN_CAPACITY} for data: {advice}, or pass {knob}"
                     )
             elif data_off + capacity > free:
                 raise ShmSpaceError(
-                    f"capacity_bytes={capacity} plus {data_off} bytes of index exceed the {free} bytes free in "
-                    f"{directory}; lower capacity_bytes or enlarge {directory}"
+                    f"{knob}={capacity} plus {data_off} bytes of index exceed the {free} bytes free in "
+                    f"{directory}; lower {knob} or {advice}"
                 )
             stem = shm.arena_stem(directory)
             path = stem + ".arena"

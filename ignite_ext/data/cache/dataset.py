@@ -1,9 +1,10 @@
 """A shared in-memory sample cache for map-style datasets: load once, then serve every worker and rank from RAM.
 
 :class:`CachedDataset` wraps any map-style dataset. The first read of an index loads it from the wrapped dataset and
-stores it, serialised compactly, in a shared-memory arena (:mod:`ignite_ext.data.cache.arena`); every later read of that
-index by any DataLoader worker of the rank (``scope="rank"``) or by any rank of the node (``scope="node"``) is
-served from there: small tensors and arrays are copied out, large ones lent as private copy-on-write views
+stores it, serialised compactly, in a shared-memory arena (:mod:`ignite_ext.data.cache.arena`), or, once that is
+full, in the optional disk tier (:mod:`ignite_ext.data.cache.tiers`); every later read of that index by any
+DataLoader worker of the rank (``scope="rank"``) or by any rank of the node (``scope="node"``) is served from there:
+small tensors and arrays are copied out, large ones lent as private copy-on-write views
 (:mod:`ignite_ext.data.cache._cow`). See the cache guide for the guarantees, the memory model and the sampler pairings.
 
 .. versionadded:: 0.1.0
@@ -16,20 +17,21 @@ import operator
 import os
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from torch.utils.data import Dataset, get_worker_info
 
-from ignite_ext.data.cache.arena import Arena
 from ignite_ext.data.cache.codec import decode, encode
-from ignite_ext.data.cache.identity import default_name
+from ignite_ext.data.cache.identity import checked_name
+from ignite_ext.data.cache.stats import CacheStats
+from ignite_ext.data.cache.tiers import create_tiers, disk_option, node_tiers
 from ignite_ext.data.cache.transforms import FrozenTransformWarning, warn_if_frozen
 
 # ignite and ignite_ext.distributed are imported where a rank's main process needs them (construction, stats):
 # a DataLoader worker that unpickles the dataset (spawn) then loads neither, which keeps its memory down.
 
-__all__ = ["CacheStats", "CachedDataset", "FrozenTransformWarning"]  # the warning re-exported: users meet it here
+# CacheStats (defined in .stats) and the warning re-exported: users meet them here.
+__all__ = ["CacheStats", "CachedDataset", "FrozenTransformWarning"]
 
 Scope = Literal["rank", "node"]
 Reduce = Literal["rank", "node", "world"]
@@ -43,45 +45,6 @@ class _MapStyle(Protocol):
     def __getitem__(self, index: int, /) -> Any: ...
 
 
-@dataclass(frozen=True)
-class CacheStats:
-    """Counters of a :class:`CachedDataset`.
-
-    Args:
-        hits: reads served from the cache.
-        misses: reads that loaded from the wrapped dataset (including those that could not be stored because
-            the cache was full, or because another process stored the index first).
-        entries: samples stored in the cache (by the processes counted).
-        bytes: bytes of those samples in the cache.
-
-    Examples:
-        >>> from ignite_ext.data import CacheStats
-        >>> s = CacheStats(hits=3, misses=1, entries=1, bytes=128)
-        >>> s.hit_rate
-        0.75
-        >>> s - CacheStats(hits=1, misses=1, entries=1, bytes=128)
-        CacheStats(hits=2, misses=0, entries=0, bytes=0)
-
-    .. versionadded:: 0.1.0
-    """
-
-    hits: int = 0
-    misses: int = 0
-    entries: int = 0
-    bytes: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        """``hits / (hits + misses)``, or 0.0 before any read."""
-        reads = self.hits + self.misses
-        return self.hits / reads if reads else 0.0
-
-    def __sub__(self, other: CacheStats) -> CacheStats:
-        return CacheStats(
-            self.hits - other.hits, self.misses - other.misses, self.entries - other.entries, self.bytes - other.bytes
-        )
-
-
 class CachedDataset(Dataset[Any]):
     """Serve the samples of ``dataset`` from a shared-memory cache after their first load.
 
@@ -92,6 +55,12 @@ class CachedDataset(Dataset[Any]):
     under 64 KiB, private copy-on-write views of the cache from 64 KiB up, which cost no copy unless written to):
     modifying a sample never changes the cache, nor what a later read gets. Nothing is evicted: once the cache is
     full, samples not in it are loaded from ``dataset`` each time they are read (and counted as misses).
+
+    With ``disk_dir``, what does not fit ``capacity_bytes`` goes to a second tier: one file in that node-local
+    directory, of the same layout and with the same guarantees as the RAM one, shared the same way (by the rank's
+    workers, or by the node's ranks), so that a dataset larger than RAM is still loaded once. Reads look in RAM,
+    then on disk; each sample is stored in the first tier with room for it (see
+    :mod:`~ignite_ext.data.cache.tiers`).
 
     Args:
         dataset: a map-style dataset (``len()`` and integer indexing).
@@ -113,19 +82,29 @@ class CachedDataset(Dataset[Any]):
             name at the same call, or every rank raises (a rank that builds its validation cache first never
             reads the training samples). ``None``: :func:`~ignite_ext.data.cache.identity.default_name`, the
             dataset's type, length and a cheap fingerprint of its public attributes, the same in every process.
+        disk_dir: a directory on the node's own disk (never a shared filesystem, see
+            :mod:`~ignite_ext.data.cache.disk`) for the disk tier; None: no disk tier. With ``scope="node"``
+            every rank of a node must pass the same one (or None), and every rank checks its own.
+        disk_bytes: bytes of sample data the disk tier may hold. ``None``: half of the free space of
+            ``disk_dir`` at construction, less what this user's live caches there may still claim (split
+            between the ranks of the node like ``capacity_bytes``). With ``scope="node"``, the local rank 0's.
 
     Attributes:
         dataset: the wrapped dataset.
         scope: ``"rank"`` or ``"node"``.
         transform: what is applied after the cache, or None.
         name: the cache's name: the one given, or the default.
+        disk_dir: the disk tier's directory (resolved), or None.
 
     Raises:
-        ValueError: ``scope`` is unknown, ``capacity_bytes`` is not positive, ``name`` is not a non-empty
-            string, or (node scope) the ranks of a node wrap datasets of different lengths or names.
+        ValueError: ``scope`` is unknown, ``capacity_bytes`` or ``disk_bytes`` is not positive, ``name`` is not a
+            non-empty string, ``disk_bytes`` comes without ``disk_dir``, ``disk_dir`` is not an existing,
+            writable directory, or (node scope) the ranks of a node wrap datasets of different lengths or names,
+            or pass different ``disk_dir``. With ``scope="node"`` on every rank, whichever rank it concerns.
         TypeError: ``transform`` is not callable.
         ShmSpaceError: ``/dev/shm`` cannot hold the cache (too little free space for the index plus 1 MiB of data
-            by default, or less than ``capacity_bytes`` plus the index).
+            by default, or less than ``capacity_bytes`` plus the index), or ``disk_dir`` cannot hold the disk
+            tier (likewise, with ``disk_bytes``). With ``scope="node"`` on every rank.
 
     Examples:
         >>> import torch
@@ -134,7 +113,7 @@ class CachedDataset(Dataset[Any]):
         >>> ds[1], ds[1]
         (tensor([1., 1.]), tensor([1., 1.]))
         >>> ds.stats()
-        CacheStats(hits=1, misses=1, entries=1, bytes=72)
+        CacheStats(hits=1, misses=1, entries=1, bytes=72, disk_hits=0, disk_entries=0, disk_bytes=0)
         >>> ds.close()
 
         A random augmentation after the cache is drawn anew on every read; the cache keeps the plain sample:
@@ -146,9 +125,20 @@ class CachedDataset(Dataset[Any]):
         'builtins.list[1]#...'
         >>> noisy.close()
 
+        A disk tier takes what RAM cannot (here 64 bytes of RAM: room for one small sample):
+
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as directory:
+        ...     tiered = CachedDataset(list(range(3)), capacity_bytes=64, disk_dir=directory, disk_bytes=1 << 20)
+        ...     [tiered[i] for i in (0, 1, 0, 1)]
+        ...     tiered.stats()
+        ...     tiered.close()
+        [0, 1, 0, 1]
+        CacheStats(hits=2, misses=2, entries=2, bytes=60, disk_hits=1, disk_entries=1, disk_bytes=30)
+
     .. versionadded:: 0.1.0
     .. versionchanged:: 0.2.0
-       ``transform`` and ``name``.
+       ``transform``, ``name``, ``disk_dir`` and ``disk_bytes``.
     """
 
     def __init__(
@@ -159,6 +149,8 @@ class CachedDataset(Dataset[Any]):
         capacity_bytes: int | None = None,
         transform: Callable[[Any], Any] | None = None,
         name: str | None = None,
+        disk_dir: str | os.PathLike[str] | None = None,
+        disk_bytes: int | None = None,
     ) -> None:
         import ignite.distributed as idist
 
@@ -173,13 +165,15 @@ class CachedDataset(Dataset[Any]):
         if idist.get_rank() == 0:
             warn_if_frozen(dataset, stacklevel=2)
         if scope == "node" and idist.get_world_size() > 1:
-            self._arena, self.name = _node_arena(dataset, self._len, capacity_bytes, name)
+            self._tiers, self.name, disk = node_tiers(dataset, self._len, capacity_bytes, disk_dir, disk_bytes, name)
             self._row = idist.get_local_rank()
         else:
-            self.name = _checked_name(dataset, name)
-            # Every rank of the node creates one at the same time: they split the default capacity evenly.
+            self.name = checked_name(dataset, name)
+            disk = disk_option(disk_dir, disk_bytes)
+            # Every rank of the node creates one at the same time: they split the default capacities evenly.
             peers = idist.get_nproc_per_node() if idist.get_world_size() > 1 else 1
-            self._arena, self._row = Arena.create(self._len, capacity_bytes, share=peers), 0
+            self._tiers, self._row = create_tiers(self._len, capacity_bytes, disk, share=peers), 0
+        self.disk_dir = disk.directory if disk is not None else None
         self._slot: tuple[int, int] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -192,13 +186,31 @@ class CachedDataset(Dataset[Any]):
 
     @property
     def segment(self) -> str:
-        """Path of the shared-memory file that holds the cache."""
-        return self._arena.path
+        """Path of the shared-memory file that holds the cache's RAM tier."""
+        return self._tiers.ram.path
 
     @property
     def capacity_bytes(self) -> int:
-        """Bytes of sample data the cache can hold."""
-        return self._arena.capacity
+        """Bytes of sample data the RAM tier can hold."""
+        return self._tiers.ram.capacity
+
+    @property
+    def disk_segment(self) -> str | None:
+        """Path of the file in ``disk_dir`` that holds the disk tier, or None without one.
+
+        .. versionadded:: 0.2.0
+        """
+        disk = self._tiers.disk
+        return disk.path if disk is not None else None
+
+    @property
+    def disk_capacity_bytes(self) -> int:
+        """Bytes of sample data the disk tier can hold (0 without one).
+
+        .. versionadded:: 0.2.0
+        """
+        disk = self._tiers.disk
+        return disk.capacity if disk is not None else 0
 
     def _count_slot(self) -> int:
         pid = os.getpid()
@@ -218,9 +230,10 @@ class CachedDataset(Dataset[Any]):
 
     def _read(self, i: int) -> Any:
         """Sample ``i`` from the cache, or loaded (and stored if it can be); counted either way."""
-        arena = self._arena
-        raw = arena.lookup(i)
-        if raw is not None:
+        tiers = self._tiers
+        found = tiers.find(i)
+        if found is not None:
+            arena, raw = found
             sample = decode(raw, functools.partial(arena.borrow, i))
             arena.count(self._row, self._count_slot(), hits=1)
             return sample
@@ -229,24 +242,17 @@ class CachedDataset(Dataset[Any]):
             enc = encode(sample)
         except Exception as exc:  # e.g. an object pickle refuses: the sample is still good, only not cacheable
             warnings.warn(f"sample {i} cannot be cached and is served uncached: {exc!r}", RuntimeWarning, stacklevel=3)
-            arena.count(self._row, self._count_slot(), misses=1)
+            tiers.count_miss(self._row, self._count_slot())
             return sample
-        offset = arena.reserve(i, enc.nbytes, enc.page_offset)
-        published = False
-        if offset is not None:
-            enc.write_into(arena.data_view(offset, enc.nbytes))
-            self._before_publish(i)
-            published = arena.publish(i, offset, enc.nbytes)
-        arena.count(
-            self._row, self._count_slot(), misses=1, entries=int(published), nbytes=enc.nbytes if published else 0
-        )
+        stored = tiers.store(i, enc, self._before_publish)
+        tiers.count_miss(self._row, self._count_slot(), stored, enc.nbytes)
         return sample  # already encoded: a transform that modifies it in place cannot reach the cache
 
     def _before_publish(self, index: int) -> None:
         """Run between writing a sample and publishing it; a seam for crash tests, nothing to do otherwise."""
 
     def stats(self, reduce: Reduce = "rank") -> CacheStats:
-        """Hits, misses, entries and bytes, counted over this rank's main process and all its DataLoader workers.
+        """Hits (per tier), misses, entries and bytes, counted over this rank's main process and all its workers.
 
         Args:
             reduce: ``"rank"``: this rank only (no communication). ``"node"`` or ``"world"``: summed over the
@@ -275,7 +281,7 @@ class CachedDataset(Dataset[Any]):
         from ignite_ext.distributed import agree
         from ignite_ext.distributed.agreement import disagreement
 
-        own = self._arena.totals(self._row)
+        own = self._tiers.totals(self._row)
         distributed = idist.get_world_size() > 1
         if reduce == "rank" or (reduce in _REDUCTIONS and not distributed):
             return CacheStats(*own)
@@ -283,76 +289,23 @@ class CachedDataset(Dataset[Any]):
             raise ValueError(f"reduce must be one of {_REDUCTIONS}, got {reduce!r}")
         node = idist.get_node_rank()
 
-        def mine() -> tuple[str, int, tuple[int, int, int, int]]:
+        def mine() -> tuple[str, int, tuple[int, ...]]:
             if reduce not in _REDUCTIONS:
                 raise ValueError(f"reduce must be one of {_REDUCTIONS} and the same on every rank, got {reduce!r}")
             return reduce, node, own
 
-        def differ(rows: list[tuple[str, int, tuple[int, int, int, int]]]) -> str | None:
+        def differ(rows: list[tuple[str, int, tuple[int, ...]]]) -> str | None:
             asked = disagreement([r[0] for r in rows])
             return None if asked is None else f"reduce must be the same on every rank; by rank: {asked}"
 
         rows = agree(mine, "reducing the cache stats", check=differ)
         picked = [counters for _, nd, counters in rows if reduce == "world" or nd == node]
-        hits, misses, entries, nbytes = (sum(column) for column in zip(*picked, strict=True))
-        return CacheStats(hits, misses, entries, nbytes)
+        return CacheStats(*(sum(column) for column in zip(*picked, strict=True)))
 
     def close(self) -> None:
-        """Release the cache in this process; in the creating process also delete its shared memory.
+        """Release the cache in this process; in the creating process also delete its files (both tiers).
 
         Processes that still map it (workers, other ranks) keep a valid mapping until they exit. The creating
         process also releases it when the dataset is garbage-collected or the interpreter exits.
         """
-        self._arena.close()
-
-
-def _checked_name(dataset: Any, name: str | None) -> str:
-    if name is None:
-        return default_name(dataset)
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"name must be a non-empty string, got {name!r}")
-    return name
-
-
-def _node_arena(dataset: Any, n: int, capacity_bytes: int | None, name: str | None) -> tuple[Arena, str]:
-    """Create the node's arena on its local rank 0 and attach it on the other ranks of the node (collective).
-
-    Every rank sends its node, local rank, length, cache name and (local rank 0) the arena's path; the ranks of
-    each node must agree on the length and the name, or every rank raises.
-    """
-    import ignite.distributed as idist
-
-    from ignite_ext.distributed import agree
-    from ignite_ext.distributed.agreement import disagreement
-
-    node, local_rank = idist.get_node_rank(), idist.get_local_rank()
-    created: list[Arena] = []
-
-    def setup() -> tuple[int, int, int, str, str]:
-        mine = _checked_name(dataset, name)
-        if local_rank == 0:
-            created.append(Arena.create(n, capacity_bytes, rows=idist.get_nproc_per_node()))
-        return node, local_rank, n, mine, created[0].path if created else ""
-
-    def differ(entries: list[tuple[int, int, int, str, str]]) -> str | None:
-        lengths = sorted({(e[0], e[2]) for e in entries})
-        if len(lengths) != len({e[0] for e in entries}):
-            return f"ranks of one node wrap datasets of different lengths (node, length): {lengths}"
-        names = []
-        for nd in sorted({e[0] for e in entries}):
-            by_local_rank = [e[3] for e in sorted(e for e in entries if e[0] == nd)]
-            if (problem := disagreement(by_local_rank)) is not None:
-                names.append(f"node {nd}, by local rank: {problem}")
-        if not names:
-            return None
-        return (
-            f"ranks of one node construct different caches at this call ({'; '.join(names)}). Construct the "
-            "node caches in the same order on every rank, or, if these are the same dataset, pass the same "
-            "name= on every rank"
-        )
-
-    entries = agree(setup, "creating the node cache", check=differ)
-    mine = next(e[3] for e in entries if e[0] == node and e[1] == local_rank)
-    if created:
-        return created[0], mine
-    return Arena.attach(next(e[4] for e in entries if e[0] == node and e[1] == 0)), mine
+        self._tiers.close()

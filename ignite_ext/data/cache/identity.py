@@ -32,7 +32,7 @@ import hashlib
 import os
 from typing import Any
 
-__all__ = ["default_name", "describe"]
+__all__ = ["checked_name", "default_name", "describe"]
 
 _DEPTH = 3
 _LONG, _ENDS = 256, 64  # strings and bytes longer than _LONG are described by their length and _ENDS at each end
@@ -106,3 +106,27 @@ def default_name(dataset: Any) -> str:
     kind = type(dataset)
     digest = hashlib.sha256(describe(dataset).encode("utf-8", "backslashreplace")).hexdigest()[:12]
     return f"{kind.__module__}.{kind.__qualname__}[{len(dataset)}]#{digest}"
+
+
+def checked_name(dataset: Any, name: str | None) -> str:
+    """``name``, once it is known to be a non-empty string; :func:`default_name` of ``dataset`` when it is None.
+
+    Args:
+        dataset: a map-style dataset.
+        name: the ``name=`` a cache was given.
+
+    Raises:
+        ValueError: ``name`` is neither None nor a non-empty string.
+
+    Examples:
+        >>> from ignite_ext.data.cache.identity import checked_name
+        >>> checked_name([1, 2], "digits/train"), checked_name([1, 2], None)
+        ('digits/train', 'builtins.list[2]#...')
+
+    .. versionadded:: 0.2.0
+    """
+    if name is None:
+        return default_name(dataset)
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty string, got {name!r}")
+    return name

@@ -12,6 +12,9 @@ are created at the same moment take turns on the user's own creation lock, ``ign
 file left in place: deleting a lock file others may be opening would let two of them hold it); if another user
 has taken that name first, creation goes ahead without it rather than not at all.
 
+A cache's disk tier lives in a directory of the node's disk instead (:mod:`~ignite_ext.data.cache.disk`); every
+function here takes that directory too, and the same names and rules apply there.
+
 .. versionadded:: 0.2.0
 """
 
