@@ -35,7 +35,7 @@ from ignite_ext.data.cache.tiers import DiskOption, create_tiers
 from tests._world import World
 from tests.data.test_cache import ROOT, CountingDataset, KillBeforePublish, epoch, loader, run_with_handler
 from tests.data.test_cache_cow import lent
-from tests.data.test_cache_users import STEP_TIMEOUT_S, PrivateShm, User
+from tests.data.test_cache_users import STEP_TIMEOUT_S, PrivateShm, User, _first_line
 from tests.data.test_cache_users import other_user as other_user  # fixtures of the second-user tests, used here too
 from tests.data.test_cache_users import private_shm as private_shm
 
@@ -235,7 +235,7 @@ def test_a_job_killed_while_writing_to_disk_publishes_nothing_and_the_next_job_s
     )
     try:
         assert job.stdout is not None and job.stdin is not None
-        ram_path, disk_path = job.stdout.readline().split()
+        ram_path, disk_path = _first_line(job, STEP_TIMEOUT_S).split()  # never blocks past the deadline
         beside = CachedDataset([0], capacity_bytes=1 << 20, disk_dir=tmp_path, disk_bytes=1 << 20)
         assert os.path.exists(disk_path)  # a live job's file is never swept
         beside.close()
