@@ -60,6 +60,11 @@ class CountingStore:
         return counted
 
 
+def own_requests(counts: Counter[str]) -> int:
+    """A rank's own requests: its main thread's and those of the thread that runs its scheduler steps."""
+    return sum(n for name, n in counts.items() if name == "MainThread" or name.startswith("ignite_ext-store-step"))
+
+
 def _count_requests(local_rank: int, out: str, lengths: list[float]) -> None:
     from torch.distributed import distributed_c10d
 
@@ -82,7 +87,7 @@ def _count_requests(local_rank: int, out: str, lengths: list[float]) -> None:
         with idist.one_rank_first() as first:
             if first:
                 time.sleep(seconds)
-        rows.append({"block_s": seconds, "own": counts["MainThread"], "heartbeat": counts["ignite_ext-heartbeat"]})
+        rows.append({"block_s": seconds, "own": own_requests(counts), "heartbeat": counts["ignite_ext-heartbeat"]})
     Path(out, f"rank{idist.get_rank()}.json").write_text(json.dumps(rows))
 
 

@@ -13,9 +13,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ignite_ext.data.cache import CachedDataset, CacheStats, CacheStatsHandler
+    from ignite_ext.data.cache import CachedDataset, CacheStats, CacheStatsHandler, FrozenTransformWarning
     from ignite_ext.data.download import download_url, extract_archive
-    from ignite_ext.data.sampler import ShardedDistributedSampler
+    from ignite_ext.data.sampler import SamplerHandler, ShardedDistributedSampler
     from ignite_ext.errors import ArchiveError, ChecksumError, DownloadError, ShmSpaceError
 
 __all__ = [
@@ -25,6 +25,8 @@ __all__ = [
     "CachedDataset",
     "ChecksumError",
     "DownloadError",
+    "FrozenTransformWarning",
+    "SamplerHandler",
     "ShardedDistributedSampler",
     "ShmSpaceError",
     "download_url",
@@ -39,10 +41,12 @@ _HOMES = {
     "ShmSpaceError": "ignite_ext.errors",
     "download_url": "ignite_ext.data.download",
     "extract_archive": "ignite_ext.data.download",
+    "SamplerHandler": "ignite_ext.data.sampler",
     "ShardedDistributedSampler": "ignite_ext.data.sampler",
     "CacheStats": "ignite_ext.data.cache",
     "CacheStatsHandler": "ignite_ext.data.cache",
     "CachedDataset": "ignite_ext.data.cache",
+    "FrozenTransformWarning": "ignite_ext.data.cache",
 }
 
 

@@ -16,7 +16,7 @@ from ignite.distributed import *  # noqa: F403
 # exported through the star import above; name it explicitly (it is the very same class).
 from ignite.distributed.launcher import Parallel as Parallel
 
-from ignite_ext.distributed import _aliases
+from ignite_ext.distributed import _aliases, _heartbeat
 from ignite_ext.distributed.agreement import agree
 from ignite_ext.distributed.errors import RankDiedError, RankFailedError, RankFailure, StoreLostError
 from ignite_ext.distributed.policies import Comm, MasterFirst, Ordered, Plan, Policy, Turn, World
@@ -46,5 +46,7 @@ __all__ += sorted(n for n in dir(_ignite_distributed) if not n.startswith("_") a
 # The submodule paths of ignite.distributed resolve here too: ignite's very modules, but for ``utils``, which is a
 # module of this package (ignite's names with the failure-safe one_rank_first).
 _aliases.install()
+# A rank beats from the moment its process group exists, so that dying before its first block is noticed.
+_heartbeat.watch_for_groups()
 # ``from ignite.distributed import *`` bound ignite's utils here: a plain ``from . import utils`` would return it.
 utils = _importlib.import_module(f"{__name__}.utils")

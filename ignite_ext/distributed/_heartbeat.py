@@ -8,6 +8,8 @@ See :mod:`ignite_ext.distributed._store_channel` for how they are used.
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
+import os
 import random
 import threading
 import time
@@ -16,7 +18,7 @@ from collections.abc import Iterable
 from datetime import timedelta
 
 from ignite_ext.distributed._channel import heartbeat_timeout, log_interval
-from ignite_ext.distributed._store import BlockKeys, Store, heartbeat_key, put, read
+from ignite_ext.distributed._store import BlockKeys, Store, default_store, heartbeat_key, put, read
 
 __all__ = [
     "Heartbeat",
@@ -25,8 +27,12 @@ __all__ = [
     "beat_count",
     "client_of_this_thread",
     "clone",
+    "forget_client_of_this_thread",
+    "forget_worker_of_this_thread",
     "slice_seconds",
     "stopped_with",
+    "watch_for_groups",
+    "worker_of_this_thread",
 ]
 
 
@@ -80,6 +86,9 @@ class Heartbeat:
         self._ticks: dict[str, float] = {}  # wake key -> when to set it
         self._lock = threading.Lock()
         self._wake = threading.Event()
+        #: This rank's view of its ring successor's beats, kept across blocks, and when it last looked.
+        self.watch: Watch | None = None
+        self.looked_at = 0.0
         self._beat()
         threading.Thread(target=self._run, name="ignite_ext-heartbeat", daemon=True).start()
 
@@ -212,11 +221,93 @@ class Lingering:
 _THREAD_CLIENTS = threading.local()
 
 
-def client_of_this_thread(store: Store) -> Store:
+def _clients_of_this_thread() -> weakref.WeakKeyDictionary[Store, Store]:
     clients: weakref.WeakKeyDictionary[Store, Store] | None = getattr(_THREAD_CLIENTS, "clients", None)
     if clients is None:
         clients = _THREAD_CLIENTS.clients = weakref.WeakKeyDictionary()
+    return clients
+
+
+def client_of_this_thread(store: Store) -> Store:
+    clients = _clients_of_this_thread()
     client = clients.get(store)
     if client is None:
         client = clients[store] = clone(store)
     return client
+
+
+def worker_of_this_thread() -> concurrent.futures.ThreadPoolExecutor:
+    """The thread that runs this thread's scheduler steps, so that a step stuck on a silent store can be left."""
+    worker: concurrent.futures.ThreadPoolExecutor | None = getattr(_THREAD_CLIENTS, "worker", None)
+    if worker is None:
+        worker = _THREAD_CLIENTS.worker = concurrent.futures.ThreadPoolExecutor(1, "ignite_ext-store-step")
+    return worker
+
+
+def forget_worker_of_this_thread() -> None:
+    """Leave this thread's worker to its stuck step; the next step gets a new one."""
+    worker = getattr(_THREAD_CLIENTS, "worker", None)
+    _THREAD_CLIENTS.worker = None
+    if worker is not None:
+        worker.shutdown(wait=False)
+
+
+def forget_client_of_this_thread(store: Store) -> None:
+    """Drop this thread's client of ``store`` (a call of it is stuck): the next block clones a new one."""
+    _clients_of_this_thread().pop(store, None)
+
+
+_WATCHING = threading.Event()
+
+
+def watch_for_groups() -> bool:
+    """Beat from the moment a process group exists, not from the first block; True when watching starts.
+
+    A rank that dies before its first scheduled block has then beaten, so the ranks waiting at that block's
+    entry declare it dead instead of waiting for it forever. A daemon thread looks for a new default process
+    group in this process only (no store request), five times a second for the first minute and once a second
+    after that; once one exists, the rank beats as it would from its first block (2 store requests per beat).
+    A forked child watches too, unless it was forked with a process group already (a DataLoader worker: a copy,
+    not a rank). ``IGNITE_EXT_EARLY_HEARTBEAT=0`` turns this off, so that beats start with the first block.
+
+    Examples:
+        >>> import os
+        >>> from ignite_ext.distributed._heartbeat import watch_for_groups
+        >>> os.environ["IGNITE_EXT_EARLY_HEARTBEAT"] = "0"
+        >>> watch_for_groups()
+        False
+        >>> del os.environ["IGNITE_EXT_EARLY_HEARTBEAT"]
+
+    .. versionadded:: 0.2.0
+    """
+    if os.environ.get("IGNITE_EXT_EARLY_HEARTBEAT", "1") == "0":
+        return False
+    if not _WATCHING.is_set():
+        _WATCHING.set()
+        threading.Thread(target=_watch, name="ignite_ext-group-watch", daemon=True).start()
+        os.register_at_fork(after_in_child=_after_fork)
+    return True
+
+
+def _after_fork() -> None:
+    _WATCHING.clear()  # the thread did not come along
+    if default_store() is None:
+        _WATCHING.set()
+        threading.Thread(target=_watch, name="ignite_ext-group-watch", daemon=True).start()
+
+
+def _watch() -> None:
+    import torch.distributed
+
+    seen: weakref.ref[Store] | None = None  # weak: a destroyed group's store must be free to go
+    started = time.monotonic()
+    while True:
+        time.sleep(0.2 if time.monotonic() - started < 60 else 1.0)
+        try:
+            store = default_store()
+            if store is None or (seen is not None and seen() is store) or torch.distributed.get_world_size() < 2:
+                continue
+            seen = weakref.ref(store)
+            Heartbeat.ensure(store, torch.distributed.get_rank(), torch.distributed.get_world_size())
+        except Exception:
+            continue  # a group being torn down meanwhile: the next look sees what is left

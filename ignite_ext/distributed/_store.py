@@ -22,6 +22,11 @@ Every key lives under ``ignite_ext/``; this module is the only place that spells
     ignite_ext/sched/<seq>/wake/<rank>   whoever completes what  by rank, idem                    "w"/"t"
                                          rank waits for, or its
                                          heartbeat at a slice end
+    ignite_ext/sched/<seq>/lost/<rank>   who finds rank silent   by that rank, idem               "1"
+                                         after it posted its
+                                         outcome, once
+    ignite_ext/sched/<seq>/complete      who finds every outcome by rank 0, idem                  "1"
+                                         posted after a loss
 
 A block's keys are deleted only once the next block's verdict is known: rank 0 judges block ``seq + 1`` only after
 every rank entered it, which proves every rank left block ``seq``. So at most two blocks' keys exist at a time.
@@ -68,7 +73,7 @@ class BlockKeys:
         >>> keys.outcome(2), keys.exits
         ('ignite_ext/sched/7/out/2', 'ignite_ext/sched/7/exits')
         >>> len(keys.deleted_by(0)), len(keys.deleted_by(1))
-        (9, 3)
+        (10, 3)
 
     .. versionadded:: 0.2.0
     """
@@ -82,6 +87,7 @@ class BlockKeys:
         self.nfail = f"{self.prefix}/nfail"
         self.acks = f"{self.prefix}/acks"
         self.acked = f"{self.prefix}/acked"
+        self.complete = f"{self.prefix}/complete"
 
     def entry(self, rank: int) -> str:
         """What ``rank`` passed on entering, for rank 0 to judge."""
@@ -95,6 +101,10 @@ class BlockKeys:
         """The details of the ``index``-th failing rank (1-based, in the order they failed)."""
         return f"{self.prefix}/fail/{index}"
 
+    def lost(self, rank: int) -> str:
+        """Set by the rank that found ``rank`` silent after it had posted its outcome (it may not have left)."""
+        return f"{self.prefix}/lost/{rank}"
+
     def wake(self, rank: int) -> str:
         """The key ``rank`` blocks on while it waits; set by whoever completes what it waits for."""
         return f"{self.prefix}/wake/{rank}"
@@ -102,7 +112,7 @@ class BlockKeys:
     def deleted_by(self, rank: int) -> list[str]:
         """The keys of this block that ``rank`` deletes (its ``fail/<i>`` keys aside, which only it knows of)."""
         own = [self.outcome(rank), self.entry(rank), self.wake(rank)]
-        shared = [self.exits, self.nfail, self.acks, self.acked, self.entered, self.verdict]
+        shared = [self.exits, self.nfail, self.acks, self.acked, self.entered, self.verdict, self.complete]
         return [*own, *shared] if rank == 0 else own
 
 

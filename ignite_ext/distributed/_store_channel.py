@@ -12,18 +12,25 @@ reads its condition after deleting its wake key, so no wake-up is ever lost. A w
 per slice whatever its length, and a waiter is told within a fraction of a millisecond.
 
 **Liveness.** Every process beats ``ignite_ext/hb/<rank>`` from a daemon thread on its own store client (a blocked
-``wait`` holds its client's lock), every sixth of the heartbeat timeout ``T``. A beat writes ``<count>|<count of
-the successor>``: the beat number, and the beat number of rank ``rank + 1`` as last seen. Each waiting rank
-watches its ring successor (one read when a wait starts, then one per slice): ``T`` seconds without a change and
+``wait`` holds its client's lock), every sixth of the heartbeat timeout ``T``, from the moment its process group
+exists (:func:`~ignite_ext.distributed._heartbeat.watch_for_groups`). A beat writes ``<count>|<count of the
+successor>``: the beat number, and the beat number of rank ``rank + 1`` as last seen. Each waiting rank watches
+its ring successor (at most one read per slice, the view kept across blocks): ``T`` seconds without a change and
 it is declared dead, exactly once (``compare_set`` of its outcome), and so is every rank after it that beat at
-most twice after the dead rank last saw it (alive, it would have beaten about six times since), at once, in one pass:
-a lost node's ranks are all reported within ``T`` plus at most a slice (``4/3 T``), not one timeout each. A rank
-is only mistaken for dead when its beat thread cannot run for ``5/6 T`` (25 s at the default): CPython hands the
-GIL to another thread every 5 ms unless a C extension holds it that long. A rank that never beat (it has not
-used a scheduler yet) cannot be told dead from late, and is not declared.
+most twice after the dead rank last saw it (alive, it would have beaten about six times since), at once, in one
+pass, each outcome naming all of them: a lost node's ranks are all reported within ``T`` plus at most a slice
+(``4/3 T``), not one timeout each. A rank found dead after posting its outcome is declared too (see
+:meth:`StoreChannel._lost_leaving`). A rank is only mistaken for dead when its beat thread cannot run for
+``5/6 T`` (25 s at the default): CPython hands the GIL to another thread every 5 ms unless a C extension holds it
+that long. A rank that never beat (its process group is not up yet) cannot be told dead from late, and is not
+declared.
 
-**Cost** per rank and block, nothing failing: about 10 requests plus 4 per slice waited (see the scheduling guide);
-per beat 2 requests; rank 0 additionally reads the N entries (one ``multi_get``) and wakes the others (one
+**A silent store.** Each step (entry, wait, leave) runs on the calling thread's worker (:meth:`StoreChannel._step`),
+which the caller stops waiting for when a request is ``T`` overdue or ``timeout=`` is over: a request to a
+paused or cut-off host would otherwise block until TCP gives up.
+
+**Cost** per rank and block, nothing failing: about 15 requests plus 4 per slice waited (see the scheduling
+guide); per beat 2 requests; rank 0 additionally reads the N entries (one ``multi_get``) and wakes the others (one
 ``multi_set``).
 
 .. versionadded:: 0.2.0
@@ -31,6 +38,7 @@ per beat 2 requests; rank 0 additionally reads the N entries (one ``multi_get``)
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from collections.abc import Callable, Iterable
 from datetime import timedelta
@@ -51,8 +59,11 @@ from ignite_ext.distributed._heartbeat import (
     Lingering,
     Watch,
     client_of_this_thread,
+    forget_client_of_this_thread,
+    forget_worker_of_this_thread,
     slice_seconds,
     stopped_with,
+    worker_of_this_thread,
 )
 from ignite_ext.distributed._state import GroupState
 from ignite_ext.distributed._store import BlockKeys, Store, heartbeat_key, put, put_once, read
@@ -67,6 +78,15 @@ T = TypeVar("T")
 _DIED = RankDiedError.__name__
 # A verdict that is not the judge's but a death at the entry: every rank raises it.
 _DEATH_VERDICT = b"D\n"
+# Added to ``exits`` for each rank found dead after posting its outcome: it may never have counted its exit.
+# Below it, ``exits`` counts as the StoreChannel docstring says (at most N * (N + 2), far below 2**32).
+_LOST = 1 << 32
+# Added once, after a loss, by the rank that finds every outcome posted: the block is over.
+_COMPLETE = 1 << 52
+# Of a slice: the least time between two looks at the successor's heartbeat (a slice is 0.9-1.1 of its length).
+_LOOK_EVERY = 0.8
+# With timeout=, how long past it a protocol step may still take before the store counts as unreachable.
+_STORE_GRACE_S = 2.0
 
 
 class StoreChannel(Channel):
@@ -89,13 +109,10 @@ class StoreChannel(Channel):
         self.heartbeat = self._guarded(lambda: Heartbeat.ensure(store, rank, world_size))
         # Blocking waits hold a client's lock: this thread's own client, so other threads' store calls never wait.
         self.client = self._guarded(lambda: client_of_this_thread(store))
-        default = getattr(store, "timeout", None)
-        if isinstance(default, timedelta):  # an earlier block with timeout= may have shortened this client's
-            self.client.set_timeout(default)
         self.dead: set[int] = set()  # ranks this rank knows died in this block
-        self._watch: Watch | None = None
         self._dependents: list[list[int]] = [[] for _ in range(world_size)]
         self._started = time.monotonic()
+        self._answer_by = float("inf")  # when the store request under way is overdue (see _step)
 
     def start(self, plan: Plan) -> None:
         super().start(plan)
@@ -114,12 +131,38 @@ class StoreChannel(Channel):
         self._wake(range(self.world_size))
 
     def _bounded(self) -> float | None:
-        """Seconds left of ``timeout``; also bounds this thread's store calls by them (a paused store host)."""
+        """Seconds left of ``timeout``."""
         if self.timeout is None:
             return None
-        left = self.timeout - (time.monotonic() - self._started)
-        self.client.set_timeout(timedelta(seconds=max(0.5, left + 1.0)))
-        return left
+        return self.timeout - (time.monotonic() - self._started)
+
+    def _step(self, step: Callable[[], T]) -> T:
+        """Run one step of the protocol; give up on a store that stops answering.
+
+        A TCPStore client request to a paused or cut-off host blocks until TCP gives up (about 15 minutes), its
+        own timeout only bounding waits for keys. So a step runs on this thread's worker, and the caller stops
+        waiting for it when a request is :func:`heartbeat_timeout` overdue (a store that silent is as lost as a
+        rank that silent) or, with ``timeout=``, when the timeout plus :data:`_STORE_GRACE_S` is over. The worker
+        and its client are then abandoned: this thread never uses them again.
+        """
+        now = time.monotonic()
+        self._answer_by = now + heartbeat_timeout()
+        future = worker_of_this_thread().submit(self._guarded, step)
+        # A step begun after the timeout (a first rank leaving after working longer) still gets the grace.
+        ends_at = float("inf") if self.timeout is None else max(now, self._started + self.timeout) + _STORE_GRACE_S
+        while True:
+            limit = min(self._answer_by, ends_at)
+            done, _ = concurrent.futures.wait([future], timeout=max(0.0, limit - time.monotonic()))
+            if done:
+                return future.result()
+            if time.monotonic() >= min(self._answer_by, ends_at):  # the worker may have moved the limit meanwhile
+                break
+        forget_worker_of_this_thread()
+        forget_client_of_this_thread(self.store)
+        raise StoreLostError(
+            f"no answer for {time.monotonic() - self._started:.0f} s",
+            f"rank {self.rank} waiting ({self.label}); the store did not answer: its host is paused or unreachable",
+        )
 
     def _wait(self, ready: Callable[[], T | None], what: str) -> T:
         """Block until ``ready`` returns a value; one store wait per slice; liveness between slices; time out."""
@@ -140,14 +183,17 @@ class StoreChannel(Channel):
             # A slice ends at the latest when the next log line or the timeout is due.
             seconds = min(slice_seconds(), max(0.01, next_log - time.monotonic()), max(0.01, left or float("inf")))
             self.heartbeat.tick(wake, seconds)
+            wait_s = seconds + max(5.0, seconds)
+            self._answer_by = time.monotonic() + wait_s + heartbeat_timeout()
             try:
-                self.client.wait([wake], timedelta(seconds=seconds + max(5.0, seconds)))
+                self.client.wait([wake], timedelta(seconds=wait_s))
             except torch.distributed.DistStoreError as exc:
                 if "timeout" not in str(exc).lower():
                     raise
                 # The tick did not come (the heartbeat thread is gone): a slice all the same.
             finally:
                 self.heartbeat.untick(wake)
+            self._answer_by = time.monotonic() + heartbeat_timeout()
             self.client.delete_key(wake)
             self._check_successor()
         return value
@@ -164,8 +210,13 @@ class StoreChannel(Channel):
             succ = self._next(succ)
         if succ == self.rank:
             return
-        watch = self._watch if self._watch is not None and self._watch.rank == succ else Watch(succ)
-        self._watch = watch
+        # One look per slice at most, across the blocks of this process: a silence is timed from the first look
+        # anyway, and looks more frequent than slices would not notice a death sooner.
+        hb, now = self.heartbeat, time.monotonic()
+        if hb.watch is not None and hb.watch.rank == succ and now - hb.looked_at < _LOOK_EVERY * slice_seconds():
+            return
+        watch = hb.watch if hb.watch is not None and hb.watch.rank == succ else Watch(succ)
+        hb.watch, hb.looked_at = watch, now
         beat = read(self.client, heartbeat_key(succ))
         silent = watch.observe(beat, time.monotonic())
         if beat is None or silent <= heartbeat_timeout():
@@ -181,27 +232,72 @@ class StoreChannel(Channel):
                 break
             victims.append(nxt)
             last, nxt = now_beat, self._next(nxt)
-        for victim in victims:
-            self._declare_dead(victim, silent)
-
-    def _declare_dead(self, peer: int, silent_for: float) -> None:
-        self.dead.add(peer)
-        # The noticing rank is part of the message so that two ranks declaring the same death write different
+        # The noticing rank is part of each message so that two ranks declaring the same death write different
         # payloads, and compare_set tells exactly one of them that it won.
-        failure = RankFailure(
-            peer, _DIED, f"no heartbeat for {silent_for:.0f} s, noticed by rank {self.rank} (killed or hung)", died=True
-        )
+        failures = [
+            RankFailure(
+                v, _DIED, f"no heartbeat for {silent:.0f} s, noticed by rank {self.rank} (killed or hung)", True
+            )
+            for v in victims
+        ]
+        self.dead.update(victims)
         if not self.plan.turns:  # still at the entry: nobody has run anything, so everyone just stops
-            if put_once(self.client, self.keys.verdict, _DEATH_VERDICT + encode_failures([failure])):
-                log().warning("rank %d: declaring rank %d dead at the entry (%s)", self.rank, peer, failure.message)
+            if put_once(self.client, self.keys.verdict, _DEATH_VERDICT + encode_failures(failures)):
+                log().warning(
+                    "rank %d: declaring ranks %s dead at the entry (%s)", self.rank, victims, failures[0].message
+                )
                 self._wake_all()
             return
-        if put_once(self.client, self.keys.outcome(peer), encode_failures([failure])):
+        for failure in failures:
+            self._declare_dead(failure, failures, silent)
+
+    def _declare_dead(self, failure: RankFailure, together: list[RankFailure], silent_for: float) -> None:
+        """Post ``failure.rank``'s outcome as its death; those waiting for it learn of all who died ``together``."""
+        peer = failure.rank
+        if put_once(self.client, self.keys.outcome(peer), encode_failures(together)):
             log().warning("rank %d: declaring rank %d dead (%s)", self.rank, peer, failure.message)
             self._record_exit([failure])
             self._wake(self._dependents[peer])
             if peer != 0:
                 self._ack()
+            return
+        posted = decode_failures(self.client.get(self.keys.outcome(peer)))
+        if not any(f.rank == peer and f.died for f in posted):
+            self._lost_leaving(peer, silent_for)
+
+    def _lost_leaving(self, peer: int, silent_for: float) -> None:
+        """``peer`` died after posting its outcome: maybe before counting its exit, which everyone waits for.
+
+        Nobody can tell whether that count happened, so its failure is recorded without an exit and ``exits``
+        gets :data:`_LOST`. From then on, whoever finds every outcome posted (this rank now, or each rank as it
+        counts its own exit) ends the block for all: ``exits`` gets :data:`_COMPLETE` once. The rank whose
+        exit is the last one to come always finds that, since every rank posts its outcome before counting.
+        """
+        client, keys = self.client, self.keys
+        if not put_once(client, keys.lost(peer), b"1"):
+            return  # another rank found it first
+        failure = RankFailure(
+            peer,
+            _DIED,
+            f"no heartbeat for {silent_for:.0f} s after it finished its block, noticed by rank {self.rank} "
+            "(killed or hung while leaving)",
+            died=True,
+        )
+        log().warning("rank %d: declaring rank %d dead (%s)", self.rank, peer, failure.message)
+        index = client.add(keys.nfail, 1)
+        put(client, keys.fail(index), encode_failures([failure]))
+        self.state.carried.setdefault(self.seq, []).extend([keys.fail(index), keys.lost(peer)])
+        client.add(keys.exits, _LOST)
+        if peer != 0:
+            self._ack()
+        self._complete_if_over()
+
+    def _complete_if_over(self) -> None:
+        """After a loss: end the block for everyone if every rank has posted its outcome (one O(N) check)."""
+        outcomes = [self.keys.outcome(r) for r in range(self.world_size)]
+        if self.client.check(outcomes) and put_once(self.client, self.keys.complete, b"1"):
+            self.client.add(self.keys.exits, _COMPLETE)
+            self._wake_all()
 
     # --- the protocol --------------------------------------------------------------------------------------------
 
@@ -224,7 +320,7 @@ class StoreChannel(Channel):
             return b"%d\n" % min(int(m) for m in marks) + judge(list(payloads))
 
         marked = b"%d\n" % self.state.low_water + mine
-        verdict = self._guarded(lambda: self._exchange(marked, judge_marked))
+        verdict = self._step(lambda: self._exchange(marked, judge_marked))
         if verdict.startswith(_DEATH_VERDICT):
             raise RankFailedError(
                 decode_failures(verdict[len(_DEATH_VERDICT) :]), f"rank {self.rank} waiting at the entry ({self.label})"
@@ -263,18 +359,21 @@ class StoreChannel(Channel):
             put(client, keys.fail(index), encode_failures(own))
             self.state.carried.setdefault(self.seq, []).append(keys.fail(index))
         exits = client.add(keys.exits, 1 + (self.world_size + 1) * bool(own))
-        if exits % (self.world_size + 1) == self.world_size:
+        if exits % _LOST % (self.world_size + 1) == self.world_size:
             self._wake_all()  # every rank has left: the ones waiting in leave go on
+        elif _LOST <= exits < _COMPLETE:
+            self._complete_if_over()
 
     def _ack(self) -> None:
-        if self.client.add(self.keys.acks, 1) == self.world_size - 1:
+        # At least: a rank lost while leaving may have acked before it died, and then been acked for.
+        if self.client.add(self.keys.acks, 1) >= self.world_size - 1:
             put(self.client, self.keys.acked, b"1")
 
     def wait_turn(self) -> list[RankFailure]:
-        return self._guarded(self._wait_turn)
+        return self._step(self._wait_turn)
 
     def leave(self, own: list[RankFailure], inherited: list[RankFailure], linger: bool = True) -> list[RankFailure]:
-        return self._guarded(lambda: self._leave(own, inherited, linger))
+        return self._step(lambda: self._leave(own, inherited, linger))
 
     def _wait_turn(self) -> list[RankFailure]:
         inherited: list[RankFailure] = []
@@ -295,8 +394,15 @@ class StoreChannel(Channel):
         found = own + inherited
         if not found:
             exits = self._wait(self._everyone_left, "every rank to finish")
-            for i in range(1, exits // (self.world_size + 1) + 1):
+            if exits >= _LOST:  # after a loss, a failing rank's record may still be on its way: read outcomes too
+                outcomes = self.client.multi_get([self.keys.outcome(r) for r in range(self.world_size)])
+                found += {f for outcome in outcomes for f in decode_failures(bytes(outcome))}
+                records = int(self.client.add(self.keys.nfail, 0))
+            else:
+                records = exits // (self.world_size + 1)
+            for i in range(1, records + 1):
                 found += decode_failures(self.client.get(self.keys.fail(i)))
+            found = list(set(found))
         if self.rank != 0:
             self._ack()
         elif linger:
@@ -305,7 +411,7 @@ class StoreChannel(Channel):
 
     def _everyone_left(self) -> int | None:
         exits = int(self.client.add(self.keys.exits, 0))
-        return exits if exits % (self.world_size + 1) == self.world_size else None
+        return exits if exits >= _COMPLETE or exits % _LOST % (self.world_size + 1) == self.world_size else None
 
     def _guarded(self, fn: Callable[[], T]) -> T:
         try:

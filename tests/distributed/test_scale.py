@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from collections import Counter
 from typing import Any
@@ -13,7 +12,7 @@ from typing import Any
 import pytest
 
 import ignite_ext.distributed as idist
-from benchmarks.bench_scale import CountingStore
+from benchmarks.bench_scale import CountingStore, own_requests
 from ignite_ext.distributed import _channel
 from ignite_ext.distributed.policies import Plan, Policy, Turn, World
 from tests._world import World as TestWorld
@@ -45,7 +44,8 @@ def body_requests(seconds: float) -> dict[str, Any]:
     with idist.one_rank_first() as first:
         if first:
             time.sleep(seconds)
-    main = counts[threading.current_thread().name]
+    main = own_requests(counts)
+    assert main > 0, counts  # the count reaches the threads that send the requests
     return {"rank": idist.get_rank(), "main": main, "heartbeat": counts["ignite_ext-heartbeat"]}
 
 

@@ -1,0 +1,154 @@
+"""Liveness edges of the store channel, on real gloo ranks: a rank that dies before its first block, one that dies
+while leaving (after posting its outcome, before counting its exit), and a store host that stops answering."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import ignite_ext.distributed as idist
+from tests._world import World
+
+pytestmark = pytest.mark.timeout(240)
+
+T = 3.0  # the heartbeat timeout of these worlds
+
+
+def body_dies_before_first_block(victim: int, after: float) -> dict[str, Any]:
+    if idist.get_rank() == victim:
+        time.sleep(after)  # past the process group's start: the rank beats, though it never used a scheduler
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        with idist.one_rank_first():
+            pass
+        return {"outcome": "ok"}
+    except idist.RankFailedError as exc:
+        return {"outcome": "RankFailedError", "dead": list(exc.dead), "after": time.monotonic() - start}
+
+
+def test_a_rank_dead_before_its_first_block_is_declared_at_the_entry(world: World) -> None:
+    after = 1.5
+    results = world.results(body_dies_before_first_block, 2, after, env={"IGNITE_EXT_HEARTBEAT_TIMEOUT": str(T)})
+    assert results[2].killed
+    for r in results[:2] + results[3:]:
+        assert r.ok and r.value["outcome"] == "RankFailedError", str(r)
+        assert r.value["dead"] == [2], r.value
+        assert r.value["after"] < after + 1.5 * T + 1.0, r.value
+
+
+def body_dies_while_leaving(victim: int) -> dict[str, Any]:
+    from ignite_ext.distributed._store_channel import StoreChannel
+
+    with idist.one_rank_first():
+        pass  # every rank beats
+    if idist.get_rank() == victim:
+        # SIGKILL at the one point in between: outcome posted, exit not counted yet.
+        def die(self: StoreChannel, own: list[Any]) -> None:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        StoreChannel._record_exit = die  # type: ignore[method-assign]
+    start = time.monotonic()
+    try:
+        with idist.one_rank_first() as first:
+            if first:
+                time.sleep(0.5)
+        return {"outcome": "ok"}
+    except idist.RankFailedError as exc:
+        failures = [(f.rank, f.died, f.message) for f in exc.failures]
+        return {"outcome": "RankFailedError", "failures": failures, "after": time.monotonic() - start}
+
+
+@pytest.mark.parametrize("victim", [0, 2], ids=["first-rank", "other-rank"])
+def test_a_rank_dead_after_posting_its_outcome_is_declared(world: World, victim: int) -> None:
+    # The store is not in the victim's process (TORCHELASTIC_USE_AGENT_STORE: as under torchrun), or rank 0's
+    # death would take it along.
+    with _store_server() as port:
+        env = {"IGNITE_EXT_HEARTBEAT_TIMEOUT": str(T), "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+        results = world.results(body_dies_while_leaving, victim, env=env, deadline=90)
+    assert results[victim].killed
+    for r in results:
+        if r.rank == victim:
+            continue
+        assert r.ok and r.value["outcome"] == "RankFailedError", str(r)
+        assert [f[:2] for f in r.value["failures"]] == [(victim, True)], r.value
+        assert "after it finished its block" in r.value["failures"][0][2], r.value
+        assert r.value["after"] < 0.5 + 1.5 * T + 1.5, r.value
+
+
+def body_store_paused(flag: str, timeout: float, work: float) -> dict[str, Any]:
+    with idist.one_rank_first():
+        pass
+    start = time.monotonic()
+    try:
+        with idist.one_rank_first(timeout=timeout) as first:
+            if first:
+                Path(flag).touch()  # the test now stops the store host
+                time.sleep(work)
+        return {"outcome": "ok"}
+    except (idist.StoreLostError, TimeoutError, idist.RankFailedError) as exc:
+        return {"outcome": type(exc).__name__, "message": str(exc), "after": time.monotonic() - start}
+
+
+def test_a_paused_store_host_is_reported_within_the_timeout(world: World, tmp_path: Path) -> None:
+    flag, timeout, work = tmp_path / "inside", 3.0, 5.0
+    with _store_server() as port:
+        server = _SERVERS[port]
+
+        def stop_when_inside(procs: list[Any]) -> None:
+            def watch() -> None:
+                while not flag.exists():
+                    time.sleep(0.02)
+                server.send_signal(signal.SIGSTOP)
+
+            import threading
+
+            threading.Thread(target=watch, daemon=True).start()
+
+        env = {"IGNITE_EXT_HEARTBEAT_TIMEOUT": "5", "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+        results = world.results(
+            body_store_paused, str(flag), timeout, work, env=env, deadline=90, on_start=stop_when_inside
+        )
+    for r in results:
+        assert r.ok and r.value["outcome"] == "StoreLostError", str(r)
+        assert "paused or unreachable" in r.value["message"], r.value
+    # The waiting ranks give up when their timeout ends (plus the store call's second), not at the store's own
+    # timeout; the first rank when it tries to post its outcome after its work.
+    assert all(r.value["after"] < timeout + 2.5 for r in results[1:]), [r.value for r in results]
+    assert results[0].value["after"] < work + 3.0, results[0].value
+
+
+_SERVERS: dict[int, subprocess.Popen[bytes]] = {}
+
+
+class _store_server:  # a context manager, named like the function it stands for
+    """A TCPStore served by a process of its own (as torchrun's agent serves it); killed on exit, even if stopped."""
+
+    def __enter__(self) -> int:
+        code = textwrap.dedent(
+            """
+            import datetime, sys, time
+            import torch.distributed as dist
+            store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=60), wait_for_workers=False)
+            print(store.port, flush=True)
+            time.sleep(300)
+            """
+        )
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, start_new_session=True)
+        assert self.proc.stdout is not None
+        self.port = int(self.proc.stdout.readline())
+        _SERVERS[self.port] = self.proc
+        return self.port
+
+    def __exit__(self, *exc: object) -> None:
+        _SERVERS.pop(self.port, None)
+        self.proc.kill()
+        self.proc.wait(timeout=30)
