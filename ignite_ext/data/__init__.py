@@ -13,7 +13,13 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ignite_ext.data.cache import CachedDataset, CacheStats, CacheStatsHandler, FrozenTransformWarning
+    from ignite_ext.data.cache import (
+        CachedDataset,
+        CacheStats,
+        CacheStatsHandler,
+        FrozenTransformWarning,
+        NetworkFilesystemWarning,
+    )
     from ignite_ext.data.download import download_url, extract_archive
     from ignite_ext.data.sampler import SamplerHandler, ShardedDistributedSampler
     from ignite_ext.errors import ArchiveError, ChecksumError, DownloadError, ShmSpaceError
@@ -26,6 +32,7 @@ __all__ = [
     "ChecksumError",
     "DownloadError",
     "FrozenTransformWarning",
+    "NetworkFilesystemWarning",
     "SamplerHandler",
     "ShardedDistributedSampler",
     "ShmSpaceError",
@@ -47,6 +54,7 @@ _HOMES = {
     "CacheStatsHandler": "ignite_ext.data.cache",
     "CachedDataset": "ignite_ext.data.cache",
     "FrozenTransformWarning": "ignite_ext.data.cache",
+    "NetworkFilesystemWarning": "ignite_ext.data.cache",
 }
 
 
