@@ -205,6 +205,12 @@ def run(quick: bool = False) -> dict[str, Any]:
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}",
         "rows": rows,
         "summary": summary,
+        "plot": {
+            "x": "measure",
+            "y": ["first rank", "waiting rank (max)", "heartbeat per rank (max)"],
+            "kind": "bar",
+            "complete_rows": True,
+        },
     }
 
 

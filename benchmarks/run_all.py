@@ -59,6 +59,8 @@ def _plot(result: dict[str, Any], path: Path) -> bool:
     import matplotlib.pyplot as plt
 
     rows = result["rows"]
+    if spec.get("complete_rows"):  # only the rows that have every plotted value (a table of several measures)
+        rows = [r for r in rows if all(k in r for k in spec["y"])]
     labels = [str(r[spec["x"]]) for r in rows]
     fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(labels)), 3.6))
     width = 0.8 / len(spec["y"])

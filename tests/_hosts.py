@@ -239,13 +239,24 @@ class HostBed:
         stage.mkdir()
         q = shlex.quote
         tmpfs = f"-t tmpfs -o size={self.tmpfs_mb}m,mode=1777 tmpfs"
+        # A checkout (and its venv) under /tmp stays visible in the host: bound aside before /tmp is replaced.
+        keep_root = ROOT.is_relative_to("/tmp")
+        root_stage = self.dir / f"root{k}"
+        if keep_root:
+            root_stage.mkdir()
         script = "\n".join(
             [
                 "set -e",
                 f"hostname {q(name)}",
                 f"mount --bind {q(str(self.shared))} {q(str(stage))}",  # first: it may live under /tmp
+                *([f"mount --bind {q(str(ROOT))} {q(str(root_stage))}"] if keep_root else []),
                 f"mount {tmpfs} /tmp",
                 f"mount {tmpfs} /dev/shm",
+                *(
+                    [f"mkdir -p {q(str(ROOT))}", f"mount --move {q(str(root_stage))} {q(str(ROOT))}"]
+                    if keep_root
+                    else []
+                ),
                 f"mkdir -p {q(str(at))}",
                 f"mount --move {q(str(stage))} {q(str(at))}",
                 f"mount --bind {q(str(hosts_file))} /etc/hosts",

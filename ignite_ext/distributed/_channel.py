@@ -35,6 +35,7 @@ __all__ = [
     "Channel",
     "decode_failures",
     "encode_failures",
+    "env_float",
     "heartbeat_timeout",
     "log",
     "log_interval",
@@ -59,7 +60,8 @@ def log() -> logging.Logger:
     return logger
 
 
-def _env_float(name: str, default: float) -> float:
+def env_float(name: str, default: float) -> float:
+    """The number in environment variable ``name``, or ``default`` when it is unset or not a number."""
     try:
         return float(os.environ.get(name, default))
     except ValueError:
@@ -68,12 +70,12 @@ def _env_float(name: str, default: float) -> float:
 
 def heartbeat_timeout() -> float:
     """Seconds without a heartbeat after which a rank counts as dead (``IGNITE_EXT_HEARTBEAT_TIMEOUT``)."""
-    return _env_float("IGNITE_EXT_HEARTBEAT_TIMEOUT", 30.0)
+    return env_float("IGNITE_EXT_HEARTBEAT_TIMEOUT", 30.0)
 
 
 def log_interval() -> float:
     """Seconds between two "still waiting" log lines (``IGNITE_EXT_WAIT_LOG_INTERVAL``)."""
-    return _env_float("IGNITE_EXT_WAIT_LOG_INTERVAL", 30.0)
+    return env_float("IGNITE_EXT_WAIT_LOG_INTERVAL", 30.0)
 
 
 def encode_failures(failures: Iterable[RankFailure]) -> bytes:

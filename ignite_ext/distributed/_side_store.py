@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import ignite.distributed as idist
 import ignite.distributed.utils as idist_utils
 
+from ignite_ext.distributed._channel import env_float, log
 from ignite_ext.distributed._store import Store
 
 if TYPE_CHECKING:  # as Store: declared in the stub of torch's extension, exported by torch.distributed
@@ -47,13 +48,6 @@ _OPERATION_TIMEOUT = timedelta(seconds=300)
 
 # One per world: the computation model object idist holds while that world lives.
 _BY_MODEL: weakref.WeakKeyDictionary[Any, Store | None] = weakref.WeakKeyDictionary()
-
-
-def _env_float(name: str, default: float) -> float:
-    try:
-        return float(os.environ.get(name, default))
-    except ValueError:
-        return default
 
 
 def store_address() -> str:
@@ -93,7 +87,7 @@ def _connect(address: str) -> Store | None:
             int(port),
             None,
             False,
-            timedelta(seconds=_env_float("IGNITE_EXT_STORE_CONNECT_TIMEOUT", 30.0)),
+            timedelta(seconds=env_float("IGNITE_EXT_STORE_CONNECT_TIMEOUT", 30.0)),
             wait_for_workers=False,
             use_libuv=True,
         )
@@ -121,8 +115,6 @@ def side_store() -> Store | None:
     model = idist_utils._model  # the one handle on "this world" that idist has
     if model in _BY_MODEL:
         return _BY_MODEL[model]
-    from ignite_ext.distributed._channel import log
-
     rank = idist.get_rank()
     store, address = _serve() if rank == 0 else (None, "")
     shared = idist.broadcast(address, src=0)

@@ -298,7 +298,7 @@ def test_states_no_world_could_have_written_are_refused(state: dict[str, Any], m
 # --- the Engine handler, one engine per rank ------------------------------------------------------------------------
 
 
-def run_world(
+def run_engines(
     n: int,
     layout: Layout,
     batch: int,
@@ -338,9 +338,9 @@ def run_world(
 def test_engines_resumed_on_another_world_see_the_epoch_once_and_count_its_batches(
     n: int, old: Layout, new: Layout, batch: int, stop_at: int
 ) -> None:
-    before, saved, _ = run_world(n, old, batch, None, stop_at, max_epochs=3)
+    before, saved, _ = run_engines(n, old, batch, None, stop_at, max_epochs=3)
     epoch = saved[1]["epoch"]  # 0-based epoch of the stop
-    after, _, engines = run_world(n, new, batch, saved, None, max_epochs=3)
+    after, _, engines = run_engines(n, new, batch, saved, None, max_epochs=3)
     seen = [i for rank in before for e, b in rank if e == epoch + 1 for i in b]
     seen += [i for rank in after for e, b in rank if e == epoch + 1 for i in b]
     assert set(seen) == set(range(n))
@@ -365,9 +365,9 @@ def test_engines_resumed_on_another_world_see_the_epoch_once_and_count_its_batch
 
 
 def test_engine_checkpoint_at_the_end_of_an_epoch_starts_the_next_on_the_new_world() -> None:
-    _, saved, _ = run_world(48, Layout(4), 4, None, 3, max_epochs=2)  # 3 batches per epoch: the end
+    _, saved, _ = run_engines(48, Layout(4), 4, None, 3, max_epochs=2)  # 3 batches per epoch: the end
     assert saved[0]["iteration"] == 3 and saved[1]["consumed"] == 12
-    after, _, engines = run_world(48, Layout(2), 4, saved, None, max_epochs=2)
+    after, _, engines = run_engines(48, Layout(2), 4, saved, None, max_epochs=2)
     assert all(e == 2 for rank in after for e, _ in rank)  # nothing of epoch 1 again
     assert engines[0].state.iteration == 12 and engines[0].state.epoch_length == 6
 

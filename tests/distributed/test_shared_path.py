@@ -205,14 +205,14 @@ def test_two_nodes_under_torchrun(tmp_path: Path) -> None:
     assert o[2]["start"] < o[0]["end"]
 
     # SharedPath on a directory both nodes see: one leader for the cluster.
-    c = [s["shared_cluster"] for s in seen]
+    c = [s["shared_all"] for s in seen]
     assert [x["first"] for x in c] == [True, False, False, False]
     assert [x["probe"] for x in c] == ["0"] * 4
 
     if reason:
         pytest.skip(f"node-local directories not simulated ({reason}); the rest passed")
     # The same path string, node-local on each node: one leader per node, each node's own file.
-    n = [s["shared_node_local"] for s in seen]
+    n = [s["shared_local"] for s in seen]
     assert [x["first"] for x in n] == [True, False, True, False]
     assert [x["group"] for x in n] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert [x["probe"] for x in n] == ["0", "0", "2", "2"]

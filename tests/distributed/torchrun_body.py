@@ -28,6 +28,20 @@ def scenario(make_cm: Any, probe: Path | None = None) -> dict[str, Any]:
     return seen
 
 
+def scenarios(local_dir: Path, shared_dir: Path) -> dict[str, dict[str, Any]]:
+    """Each node-aware scheduling scenario once: local rank 0 first, Ordered per node, SharedPath on both dirs."""
+    return {
+        "master_local": scenario(lambda: idist.one_rank_first(local=True)),
+        "ordered_local": scenario(lambda: idist.rank_scheduler(order=idist.Ordered(local=True))),
+        "shared_local": scenario(
+            lambda: idist.rank_scheduler(order=idist.SharedPath(local_dir / "data")), local_dir / "data" / "probe"
+        ),
+        "shared_all": scenario(
+            lambda: idist.rank_scheduler(order=idist.SharedPath(shared_dir / "data")), shared_dir / "data" / "probe"
+        ),
+    }
+
+
 def main() -> None:
     node_local, shared, out = (Path(a) for a in sys.argv[1:4])
     idist.initialize("gloo")
@@ -36,14 +50,7 @@ def main() -> None:
         "rank": rank,
         "node": idist.get_node_rank(),
         "local_rank": idist.get_local_rank(),
-        "master_local": scenario(lambda: idist.one_rank_first(local=True)),
-        "ordered_local": scenario(lambda: idist.rank_scheduler(order=idist.Ordered(local=True))),
-        "shared_node_local": scenario(
-            lambda: idist.rank_scheduler(order=idist.SharedPath(node_local / "data")), node_local / "data" / "probe"
-        ),
-        "shared_cluster": scenario(
-            lambda: idist.rank_scheduler(order=idist.SharedPath(shared / "data")), shared / "data" / "probe"
-        ),
+        **scenarios(node_local, shared),
     }
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     idist.finalize()

@@ -21,7 +21,7 @@ from torch.utils.data import Dataset
 import ignite_ext.distributed as idist
 from ignite_ext.data import CachedDataset, ShardedDistributedSampler, download_url
 from tests.backends._bodies import identity
-from tests.distributed.torchrun_body import scenario
+from tests.distributed.torchrun_body import scenario, scenarios
 from tests.hosts._rank import mark, out_dir
 
 __all__ = ["census", "wait_on"]
@@ -92,14 +92,7 @@ def census(local_url: str, shared_url: str, sha256: str, n: int) -> dict[str, An
     shared = out_dir().parent
     return {
         **_where(),
-        "master_local": scenario(lambda: idist.one_rank_first(local=True)),
-        "ordered_local": scenario(lambda: idist.rank_scheduler(order=idist.Ordered(local=True))),
-        "shared_local": scenario(
-            lambda: idist.rank_scheduler(order=idist.SharedPath(HOST_LOCAL / "data")), HOST_LOCAL / "data" / "probe"
-        ),
-        "shared_all": scenario(
-            lambda: idist.rank_scheduler(order=idist.SharedPath(shared / "data")), shared / "data" / "probe"
-        ),
+        **scenarios(HOST_LOCAL, shared),
         "download_local": _download(local_url, HOST_LOCAL / "dl", sha256),
         "download_shared": _download(shared_url, shared / "dl", sha256),
         "cache": _cache(n),

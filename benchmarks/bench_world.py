@@ -1,0 +1,166 @@
+"""The scheduler in a simulated world of up to 1,024 ranks on one machine: store load per rank, and wake-up latency.
+
+Real gloo cannot start 1,024 ranks on two cores (a full mesh of connections, a process each importing torch), so
+each rank is a process forked from one parent that imported torch and ignite_ext, joined into torch's ``fake``
+process group (``torch.testing._internal.distributed.fake_pg``: collectives do nothing, which the scheduler's
+store channel never uses) over one real TCPStore server, the one every rank's scheduler talks to. What is
+measured is what a real cluster's store sees from the scheduler:
+
+* **requests per rank** for one ``one_rank_first`` whose first rank works ``L`` seconds (0 and 5 s), counted by
+  a proxy around each rank's store, heartbeat included: it must not grow with the world size;
+* **the server's load**: all ranks' requests over the block's length;
+* **the wake-up spread**: from the first rank leaving its block to the last rank starting its own, which is
+  what one ``multi_set`` fanning out to N wake keys, and N server-side waits returning, cost.
+
+The heartbeat timeout is the default (30 s, slices of ~10 s), so a 5 s block is one slice. Each world size
+runs only if this machine's free memory allows (about 20 MiB per simulated rank).
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from benchmarks.bench_scale import CountingStore
+
+NAME = "world"
+PER_RANK_MIB = 24  # what a forked simulated rank costs (PSS), with a margin
+HOLD_S = 5.0
+
+
+def _free_mib() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) // 1024
+    return 0
+
+
+def _rank(rank: int, n: int, port: int, hold: float, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    import ignite_ext.distributed as idist
+
+    try:
+        store = dist.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=600))
+        dist.init_process_group("fake", store=store, rank=rank, world_size=n)
+        counts: Counter[str] = Counter()
+        real = distributed_c10d._get_default_store
+        proxy: dict[str, CountingStore] = {}
+        distributed_c10d._get_default_store = lambda: proxy.setdefault("s", CountingStore(real(), counts))
+        with idist.one_rank_first():
+            pass  # every rank connected, beating
+        rows = []
+        for seconds in (0.0, hold):
+            with idist.one_rank_first():
+                pass  # in step: the measured block starts together
+            counts.clear()
+            entered = time.time()
+            with idist.one_rank_first() as first:
+                started = time.time()
+                if first:
+                    time.sleep(seconds)
+                ended = time.time()
+            rows.append(
+                {
+                    "entered": entered,
+                    "started": started,
+                    "ended": ended,
+                    "left": time.time(),
+                    "requests": sum(counts.values()),
+                }
+            )
+        Path(out, f"{rank}.json").write_text(json.dumps(rows))
+    finally:
+        os._exit(0)  # no interpreter teardown in 1,024 forked children
+
+
+def _world(n: int, hold: float) -> list[list[dict[str, float]]]:
+    import torch.distributed as dist
+
+    out = tempfile.mkdtemp(prefix="ignite_ext_bench_world_")
+    server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=600), wait_for_workers=False)
+    ctx = mp.get_context("fork")
+    gc.freeze()  # forked children then leave the parent's objects' pages shared
+    procs = [ctx.Process(target=_rank, args=(r, n, server.port, hold, out), daemon=True) for r in range(n)]
+    for proc in procs:
+        proc.start()
+    deadline = time.monotonic() + 600
+    for proc in procs:
+        proc.join(max(1.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+    missing = [r for r in range(n) if not Path(out, f"{r}.json").exists()]
+    if missing:
+        raise RuntimeError(f"simulated ranks {missing[:8]}... of {n} did not finish")
+    return [json.loads(Path(out, f"{r}.json").read_text()) for r in range(n)]
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    os.environ["IGNITE_EXT_EARLY_HEARTBEAT"] = "0"  # beats start with the scheduler, on the counted store
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+
+    import ignite_ext.distributed  # noqa: F401  (imported once, in the parent: the children share its pages)
+
+    sizes = [16, 64] if quick else [64, 256, 1024]
+    rows: list[dict[str, Any]] = []
+    skipped: list[str] = []
+    for n in sizes:
+        if _free_mib() < n * PER_RANK_MIB:
+            skipped.append(f"{n} ranks (needs about {n * PER_RANK_MIB} MiB, {_free_mib()} MiB free)")
+            continue
+        per_rank = _world(n, HOLD_S)
+        for i, hold in enumerate((0.0, HOLD_S)):
+            blocks = [p[i] for p in per_rank]
+            requests = [b["requests"] for b in blocks]
+            span = max(b["left"] for b in blocks) - min(b["entered"] for b in blocks)
+            released = blocks[0]["ended"]
+            wakes = [b["started"] - released for b in blocks[1:]]
+            rows.append(
+                {
+                    "label": f"{n} ranks, {hold:g} s block",
+                    "ranks": n,
+                    "block (s)": hold,
+                    "requests per rank (mean)": round(statistics.mean(requests), 1),
+                    "requests per rank (max)": max(requests),
+                    "server load (requests/s)": round(sum(requests) / span),
+                    "block span (s)": round(span, 2),
+                    "wake-up spread, median (ms)": round(1000 * statistics.median(wakes), 1),
+                    "wake-up spread, max (ms)": round(1000 * max(wakes), 1),
+                }
+            )
+    flat = [r["requests per rank (mean)"] for r in rows if r["block (s)"] == HOLD_S]
+    summary = (
+        f"Simulated worlds of {', '.join(str(r['ranks']) for r in rows if r['block (s)'] == 0.0)} ranks (forked "
+        "processes in torch's fake process group, one real TCPStore): requests per rank for one one_rank_first "
+        f"stay flat as the world grows ({', '.join(f'{v:g}' for v in flat)} for a {HOLD_S:g} s block), so the "
+        "store's load grows linearly with N and no rank's with N; the wake-up of every waiting rank after the "
+        "first one leaves is one multi_set and N server-side waits returning."
+    )
+    if skipped:
+        summary += " Not run for lack of memory: " + "; ".join(skipped) + "."
+    return {
+        "title": "Scheduler in a simulated world: requests per rank and wake-up spread as N grows",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}",
+        "rows": rows,
+        "summary": summary,
+        "plot": {"x": "label", "y": ["requests per rank (mean)", "requests per rank (max)"], "kind": "bar"},
+    }
+
+
+if __name__ == "__main__":
+    result = run(quick="--quick" in sys.argv)
+    print(json.dumps(result, indent=2))
