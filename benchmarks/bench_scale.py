@@ -141,7 +141,7 @@ def _rank_main(fn: Any, rank: int, nproc: int, port: int, env: dict[str, str], a
     os._exit(0)
 
 
-def _run_world(fn: Any, nproc: int, env: dict[str, str], *args: Any) -> Path:
+def run_ranks(fn: Any, nproc: int, env: dict[str, str], *args: Any) -> Path:
     """Run ``fn(local_rank, out, *args)`` on ``nproc`` gloo ranks; a killed rank does not take the others down.
 
     (``idist.Parallel`` terminates every rank as soon as one dies, which would hide what the survivors do.)
@@ -166,7 +166,7 @@ def _run_world(fn: Any, nproc: int, env: dict[str, str], *args: Any) -> Path:
 def run(quick: bool = False) -> dict[str, Any]:
     lengths = [0.0, 0.1, 1.0, 10.0] if quick else [0.0, 0.1, 1.0, 10.0, 60.0]
     rows: list[dict[str, Any]] = []
-    out = _run_world(_count_requests, 4, {}, lengths)
+    out = run_ranks(_count_requests, 4, {}, lengths)
     per_rank = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(4)]
     for i, seconds in enumerate(lengths):
         waiting = max(per_rank[r][i]["own"] for r in range(1, 4))
@@ -180,7 +180,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         )
     detection: dict[int, float] = {}
     for k in (1, 3) if quick else (1, 3, 7):
-        out = _run_world(_detect, 8, {"IGNITE_EXT_HEARTBEAT_TIMEOUT": str(DETECTION_TIMEOUT_S)}, k)
+        out = run_ranks(_detect, 8, {"IGNITE_EXT_HEARTBEAT_TIMEOUT": str(DETECTION_TIMEOUT_S)}, k)
         killed = float(Path(out, "killed_at").read_text())
         survivors = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(8 - k)]
         assert all(s["dead"] == list(range(8 - k, 8)) for s in survivors), survivors

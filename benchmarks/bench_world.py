@@ -13,7 +13,7 @@ measured is what a real cluster's store sees from the scheduler:
   what one ``multi_set`` fanning out to N wake keys, and N server-side waits returning, cost.
 
 The heartbeat timeout is the default (30 s, slices of ~10 s), so a 5 s block is one slice. Each world size
-runs only if this machine's free memory allows (about 20 MiB per simulated rank).
+runs only if this machine's free memory allows (8-9 MiB of private memory per simulated rank).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from typing import Any
 from benchmarks.bench_scale import CountingStore
 
 NAME = "world"
-PER_RANK_MIB = 24  # what a forked simulated rank costs (PSS), with a margin
+PER_RANK_MIB = 12  # what a forked simulated rank costs of its own (8-9 MiB private measured), with a margin
 HOLD_S = 5.0
 
 
