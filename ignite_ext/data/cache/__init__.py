@@ -12,12 +12,14 @@ The modules of this package:
 * ``shm``: the shared-memory directory: free space, what this user's live caches may still claim, the sweep of
   stale arenas, nothing of other users' (the same rules serve the disk tier's directory);
 * ``disk``: the disk tier's directory: checks of ``disk_dir``, the network-filesystem heuristic;
+* ``_world``: whether this process is one rank of several, asked of ignite only where it can be;
 * ``codec``: sample to bytes and back (a pickled skeleton plus the raw bytes of tensors and arrays);
 * ``_cow``: copy-on-write views of the cache file, so large buffers are lent, not copied;
 * ``handlers``: :class:`CacheStatsHandler`, the per-epoch hit rate into ``engine.state.metrics``.
 
 :class:`CacheStatsHandler` is loaded on first use (PEP 562): a DataLoader worker that unpickles a
-:class:`CachedDataset` imports neither ignite nor :mod:`ignite_ext.distributed`.
+:class:`CachedDataset` imports neither ignite nor :mod:`ignite_ext.distributed`, and neither does a process alone
+that constructs one (no process group; see ``_world``), so the workers it forks do not pay for them.
 
 .. versionadded:: 0.1.0
 """

@@ -21,14 +21,16 @@ from typing import Any, Literal, Protocol
 
 from torch.utils.data import Dataset, get_worker_info
 
+from ignite_ext.data.cache._world import ignite_world
 from ignite_ext.data.cache.codec import decode, encode
 from ignite_ext.data.cache.identity import checked_name
 from ignite_ext.data.cache.stats import CacheStats
 from ignite_ext.data.cache.tiers import create_tiers, disk_option, node_tiers
 from ignite_ext.data.cache.transforms import FrozenTransformWarning, warn_if_frozen
 
-# ignite and ignite_ext.distributed are imported where a rank's main process needs them (construction, stats):
-# a DataLoader worker that unpickles the dataset (spawn) then loads neither, which keeps its memory down.
+# ignite and ignite_ext.distributed are imported only where a rank's main process needs them (construction and
+# stats in a distributed job): a process alone, and a DataLoader worker that unpickles the dataset (spawn), load
+# neither, and workers forked from a process alone do not pay for them (see ._world).
 
 # CacheStats (defined in .stats) and the warning re-exported: users meet them here.
 __all__ = ["CacheStats", "CachedDataset", "FrozenTransformWarning"]
@@ -152,8 +154,6 @@ class CachedDataset(Dataset[Any]):
         disk_dir: str | os.PathLike[str] | None = None,
         disk_bytes: int | None = None,
     ) -> None:
-        import ignite.distributed as idist
-
         if scope not in _SCOPES:
             raise ValueError(f"scope must be one of {_SCOPES}, got {scope!r}")
         if transform is not None and not callable(transform):
@@ -162,16 +162,17 @@ class CachedDataset(Dataset[Any]):
         self.scope: Scope = scope
         self.transform = transform
         self._len = len(dataset)
-        if idist.get_rank() == 0:
+        idist = ignite_world()  # None: alone, and ignite is not imported for nothing (see ._world)
+        if idist is None or idist.get_rank() == 0:
             warn_if_frozen(dataset, stacklevel=2)
-        if scope == "node" and idist.get_world_size() > 1:
+        if scope == "node" and idist is not None and idist.get_world_size() > 1:
             self._tiers, self.name, disk = node_tiers(dataset, self._len, capacity_bytes, disk_dir, disk_bytes, name)
             self._row = idist.get_local_rank()
         else:
             self.name = checked_name(dataset, name)
             disk = disk_option(disk_dir, disk_bytes)
             # Every rank of the node creates one at the same time: they split the default capacities evenly.
-            peers = idist.get_nproc_per_node() if idist.get_world_size() > 1 else 1
+            peers = idist.get_nproc_per_node() if idist is not None and idist.get_world_size() > 1 else 1
             self._tiers, self._row = create_tiers(self._len, capacity_bytes, disk, share=peers), 0
         self.disk_dir = disk.directory if disk is not None else None
         self._slot: tuple[int, int] | None = None
@@ -276,17 +277,16 @@ class CachedDataset(Dataset[Any]):
 
         .. versionadded:: 0.1.0
         """
-        import ignite.distributed as idist
+        own = self._tiers.totals(self._row)
+        idist = ignite_world()
+        if reduce == "rank" or (reduce in _REDUCTIONS and (idist is None or idist.get_world_size() == 1)):
+            return CacheStats(*own)
+        if idist is None or idist.get_world_size() == 1:
+            raise ValueError(f"reduce must be one of {_REDUCTIONS}, got {reduce!r}")
 
         from ignite_ext.distributed import agree
         from ignite_ext.distributed.agreement import disagreement
 
-        own = self._tiers.totals(self._row)
-        distributed = idist.get_world_size() > 1
-        if reduce == "rank" or (reduce in _REDUCTIONS and not distributed):
-            return CacheStats(*own)
-        if not distributed:
-            raise ValueError(f"reduce must be one of {_REDUCTIONS}, got {reduce!r}")
         node = idist.get_node_rank()
 
         def mine() -> tuple[str, int, tuple[int, ...]]:
