@@ -4,30 +4,33 @@ source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 echo "[test] ruff";   ruff check ignite_ext tests benchmarks examples docs/conf.py setup.py
 ruff format --check ignite_ext tests benchmarks examples docs/conf.py setup.py
 echo "[test] mypy";   mypy
+# optional_step NAME TAG SKIP_VAR FAILED_VAR LINES WHAT SCRIPT: runs SCRIPT, logged; shows its "[TAG]" lines or, if it
+# fails, says so loudly (WHAT, then the log's last LINES lines) and exports FAILED_VAR, which the tests that need
+# it skip on, naming it. A failure does not fail the suite. A non-empty SKIP_VAR in the environment leaves it out.
+optional_step() {
+  local name="$1" tag="$2" skip="$3" failed="$4" lines="$5" what="$6" script="$7"
+  local log="${TMPDIR:-/tmp}/ignite_ext_${name}.log"
+  echo "[test] $tag"
+  if [ -n "$skip" ] && [ -n "${!skip:-}" ]; then
+    echo "[test] $skip is set: leaving out $script"
+  elif bash "$script" >"$log" 2>&1; then
+    grep "^\[$tag\]" "$log" || true
+  else
+    echo "[test] !!! $what. Last lines of $log:"
+    tail -n "$lines" "$log" | sed 's/^/[test] !!!   /'
+    export "$failed=$script failed, see $log: $(tail -n 1 "$log")"
+  fi
+}
 # Horovod for the backend matrix: installed from the wheel cache, or built once per torch version (minutes).
-# A failed build does not fail the suite: it is announced here and the Horovod tests skip, naming the failure.
-echo "[test] horovod"
-HOROVOD_LOG="${TMPDIR:-/tmp}/ignite_ext_horovod_wheel.log"
-if [ -n "${IGNITE_EXT_NO_HOROVOD:-}" ]; then
-  echo "[test] IGNITE_EXT_NO_HOROVOD is set: not installing horovod"
-elif bash scripts/horovod_wheel.sh >"$HOROVOD_LOG" 2>&1; then
-  grep '^\[horovod\]' "$HOROVOD_LOG" || true
-else
-  echo "[test] !!! HOROVOD BUILD FAILED: the Horovod tests will be skipped. Last lines of $HOROVOD_LOG:"
-  tail -n 15 "$HOROVOD_LOG" | sed 's/^/[test] !!!   /'
-  export IGNITE_EXT_HOROVOD_BUILD_FAILED="scripts/horovod_wheel.sh failed, see $HOROVOD_LOG: $(tail -n 1 "$HOROVOD_LOG")"
-fi
+optional_step horovod_wheel horovod IGNITE_EXT_NO_HOROVOD IGNITE_EXT_HOROVOD_BUILD_FAILED 15 \
+  "HOROVOD BUILD FAILED: the Horovod tests will be skipped" scripts/horovod_wheel.sh
 # The download peers (torchvision, pooch) in an environment of their own: created once (~90 s), then cached.
-# A failure does not fail the suite: it is announced here and the tests that need the peers skip, naming it.
-echo "[test] peers"
-PEERS_LOG="${TMPDIR:-/tmp}/ignite_ext_peers_env.log"
-if bash scripts/peers_env.sh >"$PEERS_LOG" 2>&1; then
-  grep '^\[peers\]' "$PEERS_LOG" || true
-else
-  echo "[test] !!! PEERS ENVIRONMENT FAILED: the torchvision stand-in test will be skipped. Last lines of $PEERS_LOG:"
-  tail -n 5 "$PEERS_LOG" | sed 's/^/[test] !!!   /'
-  export IGNITE_EXT_PEERS_FAILED="scripts/peers_env.sh failed, see $PEERS_LOG: $(tail -n 1 "$PEERS_LOG")"
-fi
+optional_step peers_env peers "" IGNITE_EXT_PEERS_FAILED 5 \
+  "PEERS ENVIRONMENT FAILED: the torchvision stand-in test will be skipped" scripts/peers_env.sh
+# The cache peers (LitData, Mosaic streaming) in an environment of their own: created once (a few minutes), then
+# cached.
+optional_step cache_peers_env cache-peers IGNITE_EXT_NO_CACHE_PEERS IGNITE_EXT_CACHE_PEERS_FAILED 5 \
+  "CACHE PEERS ENVIRONMENT FAILED: the cache-peers benchmark test will be skipped" scripts/cache_peers_env.sh
 # Simulated hosts for tests/hosts (network, UTS, mount and PID namespaces; needs root): probed here, after sweeping
 # what crashed runs left. Where they cannot be made the suite does not fail: it says so loudly, and the multi-host
 # tests skip with the reason.
