@@ -8,7 +8,6 @@ See :mod:`ignite_ext.distributed._store_channel` for how they are used.
 from __future__ import annotations
 
 import atexit
-import concurrent.futures
 import os
 import random
 import threading
@@ -28,11 +27,9 @@ __all__ = [
     "client_of_this_thread",
     "clone",
     "forget_client_of_this_thread",
-    "forget_worker_of_this_thread",
     "slice_seconds",
     "stopped_with",
     "watch_for_groups",
-    "worker_of_this_thread",
 ]
 
 
@@ -234,22 +231,6 @@ def client_of_this_thread(store: Store) -> Store:
     if client is None:
         client = clients[store] = clone(store)
     return client
-
-
-def worker_of_this_thread() -> concurrent.futures.ThreadPoolExecutor:
-    """The thread that runs this thread's scheduler steps, so that a step stuck on a silent store can be left."""
-    worker: concurrent.futures.ThreadPoolExecutor | None = getattr(_THREAD_CLIENTS, "worker", None)
-    if worker is None:
-        worker = _THREAD_CLIENTS.worker = concurrent.futures.ThreadPoolExecutor(1, "ignite_ext-store-step")
-    return worker
-
-
-def forget_worker_of_this_thread() -> None:
-    """Leave this thread's worker to its stuck step; the next step gets a new one."""
-    worker = getattr(_THREAD_CLIENTS, "worker", None)
-    _THREAD_CLIENTS.worker = None
-    if worker is not None:
-        worker.shutdown(wait=False)
 
 
 def forget_client_of_this_thread(store: Store) -> None:

@@ -25,9 +25,9 @@ pass, each outcome naming all of them: a lost node's ranks are all reported with
 that long. A rank that never beat (its process group is not up yet) cannot be told dead from late, and is not
 declared.
 
-**A silent store.** Each step (entry, wait, leave) runs on the calling thread's worker (:meth:`StoreChannel._step`),
-which the caller stops waiting for when a request is ``T`` overdue or ``timeout=`` is over: a request to a
-paused or cut-off host would otherwise block until TCP gives up.
+**A silent store.** Each step (entry, wait, leave) runs on the calling thread's worker (:meth:`StoreChannel._step`,
+:mod:`ignite_ext.distributed._steps`), which the caller stops waiting for when a request is ``T`` overdue or
+``timeout=`` is over: a request to a paused or cut-off host would otherwise block until TCP gives up.
 
 **Cost** per rank and block, nothing failing: about 15 requests plus 4 per slice waited (see the scheduling
 guide); per beat 2 requests; rank 0 additionally reads the N entries (one ``multi_get``) and wakes the others (one
@@ -38,7 +38,7 @@ guide); per beat 2 requests; rank 0 additionally reads the N entries (one ``mult
 
 from __future__ import annotations
 
-import concurrent.futures
+import os
 import time
 from collections.abc import Callable, Iterable
 from datetime import timedelta
@@ -60,12 +60,11 @@ from ignite_ext.distributed._heartbeat import (
     Watch,
     client_of_this_thread,
     forget_client_of_this_thread,
-    forget_worker_of_this_thread,
     slice_seconds,
     stopped_with,
-    worker_of_this_thread,
 )
 from ignite_ext.distributed._state import GroupState
+from ignite_ext.distributed._steps import forget_worker_of_this_thread, worker_of_this_thread
 from ignite_ext.distributed._store import BlockKeys, Store, heartbeat_key, put, put_once, read
 from ignite_ext.distributed.policies import Plan
 from ignite_ext.errors import RankDiedError, RankFailedError, RankFailure, StoreLostError
@@ -143,18 +142,20 @@ class StoreChannel(Channel):
         own timeout only bounding waits for keys. So a step runs on this thread's worker, and the caller stops
         waiting for it when a request is :func:`heartbeat_timeout` overdue (a store that silent is as lost as a
         rank that silent) or, with ``timeout=``, when the timeout plus :data:`_STORE_GRACE_S` is over. The worker
-        and its client are then abandoned: this thread never uses them again.
+        and its client are then abandoned: this thread never uses them again. ``IGNITE_EXT_STORE_WATCHDOG=0`` runs
+        steps in the calling thread instead (a silent store then blocks it until TCP gives up).
         """
+        if os.environ.get("IGNITE_EXT_STORE_WATCHDOG", "1") == "0":
+            return self._guarded(step)  # in this thread: some 20-60 µs less per step, but no bound on a silent store
         now = time.monotonic()
         self._answer_by = now + heartbeat_timeout()
-        future = worker_of_this_thread().submit(self._guarded, step)
+        running = worker_of_this_thread().submit(lambda: self._guarded(step))
         # A step begun after the timeout (a first rank leaving after working longer) still gets the grace.
         ends_at = float("inf") if self.timeout is None else max(now, self._started + self.timeout) + _STORE_GRACE_S
         while True:
             limit = min(self._answer_by, ends_at)
-            done, _ = concurrent.futures.wait([future], timeout=max(0.0, limit - time.monotonic()))
-            if done:
-                return future.result()
+            if running.done.wait(max(0.0, limit - time.monotonic())):
+                return running.result()
             if time.monotonic() >= min(self._answer_by, ends_at):  # the worker may have moved the limit meanwhile
                 break
         forget_worker_of_this_thread()
