@@ -1,101 +1,161 @@
-"""Where the store channel runs its steps: one worker thread per calling thread, which can be left when stuck.
+"""A watchdog for the store channel's steps: a request to a silent store host must not block for 15 minutes.
 
-A TCPStore request to a paused or cut-off host blocks its thread until TCP gives up (about 15 minutes): a caller
-that must give up sooner cannot make that request itself. So each thread that enters a scheduler has one daemon
-worker that runs its steps, handed over through a queue (about 20 µs a step); a caller that gives up on a step
-abandons its worker and the next step gets a new one.
+A TCPStore request to a paused or cut-off host blocks its thread until TCP gives up (about 15 minutes); the
+client's own timeout only bounds waits for keys. The steps run in the calling thread (handing them to another
+thread costs a context switch each, a millisecond a block on a busy machine), each armed with the time by which
+its store must have answered. One daemon thread per process sleeps until the earliest of those times; a step
+still armed then is overdue, and the watchdog shuts down every connection of this process to that store
+(found in ``/proc/self/net/tcp*`` and ``/proc/self/fd``). The blocked request then fails at once
+("Connection was likely closed"), and the step raises :class:`~ignite_ext.errors.StoreLostError`: a store
+that silent is lost for every thread of the process anyway.
 
 .. versionadded:: 0.2.0
 """
 
 from __future__ import annotations
 
-import queue
+import itertools
+import os
+import socket
 import threading
-from collections.abc import Callable
-from typing import Generic, TypeVar
+import time
+from typing import Any
 
-__all__ = ["Step", "StepWorker", "forget_worker_of_this_thread", "worker_of_this_thread"]
-
-T = TypeVar("T")
+__all__ = ["Watchdog", "store_port", "watchdog"]
 
 
-class Step(Generic[T]):
-    """One function handed to a :class:`StepWorker`; ``done`` is set once it returned or raised.
+def store_port(store: Any) -> int | None:
+    """The TCP port of the server behind ``store`` (through prefix stores), or None if it is not a TCPStore.
 
     Examples:
-        >>> from ignite_ext.distributed._steps import worker_of_this_thread
-        >>> step = worker_of_this_thread().submit(lambda: 6 * 7)
-        >>> step.done.wait(5), step.result()
-        (True, 42)
+        >>> import datetime
+        >>> import torch.distributed as dist
+        >>> from ignite_ext.distributed._steps import store_port
+        >>> server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=5), wait_for_workers=False)
+        >>> store_port(dist.PrefixStore("p", server)) == server.port, store_port(dist.HashStore())
+        (True, None)
 
     .. versionadded:: 0.2.0
     """
+    while hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    port = getattr(store, "port", None)
+    return port if isinstance(port, int) and hasattr(store, "host") else None
 
-    def __init__(self, fn: Callable[[], T]) -> None:
-        self.fn = fn
-        self.done = threading.Event()
-        self._value: T | None = None
-        self._error: BaseException | None = None
 
-    def run(self) -> None:
+def _sockets_to(port: int) -> list[int]:
+    """The file descriptors of this process's TCP connections whose remote end is ``port``."""
+    inodes: set[str] = set()
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
         try:
-            self._value = self.fn()
-        except BaseException as exc:  # handed to the caller as is
-            self._error = exc
-        self.done.set()
+            lines = open(table).read().splitlines()[1:]  # noqa: SIM115 (read whole at once)
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 9 and int(fields[2].rsplit(":", 1)[1], 16) == port:
+                inodes.add(fields[9])
+    fds = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:[") and link[8:-1] in inodes:
+            fds.append(int(fd))
+    return fds
 
-    def result(self) -> T:
-        """What the function returned, or its exception raised again (only once ``done`` is set)."""
-        if self._error is not None:
-            raise self._error
-        return self._value  # type: ignore[return-value]
 
+class Watchdog:
+    """Times the armed steps of this process; shuts down the connections to the store of one that is overdue.
 
-class StepWorker:
-    """A daemon thread running the steps submitted to it, in order.
+    Examples:
+        >>> import time
+        >>> from ignite_ext.distributed._steps import Watchdog
+        >>> dog = Watchdog()
+        >>> token = dog.arm(time.monotonic() + 60, port=1)  # a step that must hear from port 1 within 60 s
+        >>> dog.extend(token, time.monotonic() + 120)  # it waits longer, on purpose
+        >>> dog.disarm(token)  # done in time
+        False
 
     .. versionadded:: 0.2.0
     """
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[Step[object] | None] = queue.SimpleQueue()
-        threading.Thread(target=self._serve, name="ignite_ext-store-step", daemon=True).start()
+        self._cond = threading.Condition()
+        self._armed: dict[int, tuple[float, int]] = {}  # token -> (deadline, port)
+        self._tripped: set[int] = set()
+        self._tokens = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._sleeps_until = 0.0  # when the thread wakes next, unless notified
 
-    def _serve(self) -> None:
-        while (step := self._queue.get()) is not None:
-            step.run()
+    def arm(self, deadline: float, port: int) -> int:
+        """Watch a step that must hear from the store at ``port`` by ``deadline`` (``time.monotonic()``)."""
+        with self._cond:
+            token = next(self._tokens)
+            self._armed[token] = (deadline, port)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="ignite_ext-store-watchdog", daemon=True)
+                self._thread.start()
+            elif deadline < self._sleeps_until:
+                self._cond.notify()  # the thread sleeps past this deadline (it had nothing earlier to watch)
+        return token
 
-    def submit(self, fn: Callable[[], T]) -> Step[T]:
-        step = Step(fn)
-        self._queue.put(step)  # type: ignore[arg-type]
-        return step
+    def extend(self, token: int, deadline: float) -> None:
+        """Move the step's deadline (a later one: the thread finds it when it wakes; no wake-up needed)."""
+        with self._cond:
+            if token in self._armed:
+                self._armed[token] = (deadline, self._armed[token][1])
 
-    def stop(self) -> None:
-        """Let the thread end once its current step, if stuck, ever returns."""
-        self._queue.put(None)
+    def disarm(self, token: int) -> bool:
+        """Stop watching the step; True when it was overdue and its store's connections were shut down."""
+        with self._cond:
+            self._armed.pop(token, None)
+            if token in self._tripped:
+                self._tripped.discard(token)
+                return True
+            return False
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                now = time.monotonic()
+                overdue = [(t, port) for t, (deadline, port) in self._armed.items() if deadline <= now]
+                for token, _ in overdue:
+                    self._tripped.add(token)
+                    del self._armed[token]
+                if not overdue:
+                    self._sleeps_until = min((d for d, _ in self._armed.values()), default=now + 3600.0)
+                    self._cond.wait(max(0.01, self._sleeps_until - now))
+                    continue
+            for port in {port for _, port in overdue}:
+                for fd in _sockets_to(port):
+                    try:
+                        sock = socket.socket(fileno=fd)
+                    except OSError:
+                        continue
+                    try:
+                        sock.shutdown(socket.SHUT_RDWR)  # the blocked request returns at once; the fd stays its owner's
+                    except OSError:
+                        pass
+                    finally:
+                        sock.detach()
 
 
-_THREAD = threading.local()
+_WATCHDOG = Watchdog()
 
 
-def worker_of_this_thread() -> StepWorker:
-    """The worker that runs this thread's scheduler steps.
+def _after_fork() -> None:
+    global _WATCHDOG
+    _WATCHDOG = Watchdog()  # the thread did not come along, and its lock may have been held at the fork
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
+def watchdog() -> Watchdog:
+    """This process's watchdog.
 
     .. versionadded:: 0.2.0
     """
-    worker: StepWorker | None = getattr(_THREAD, "worker", None)
-    if worker is None:
-        worker = _THREAD.worker = StepWorker()
-    return worker
-
-
-def forget_worker_of_this_thread() -> None:
-    """Leave this thread's worker to its stuck step; the next step gets a new one.
-
-    .. versionadded:: 0.2.0
-    """
-    worker: StepWorker | None = getattr(_THREAD, "worker", None)
-    _THREAD.worker = None
-    if worker is not None:
-        worker.stop()
+    return _WATCHDOG

@@ -25,9 +25,9 @@ pass, each outcome naming all of them: a lost node's ranks are all reported with
 that long. A rank that never beat (its process group is not up yet) cannot be told dead from late, and is not
 declared.
 
-**A silent store.** Each step (entry, wait, leave) runs on the calling thread's worker (:meth:`StoreChannel._step`,
-:mod:`ignite_ext.distributed._steps`), which the caller stops waiting for when a request is ``T`` overdue or
-``timeout=`` is over: a request to a paused or cut-off host would otherwise block until TCP gives up.
+**A silent store.** Each step (entry, wait, leave) is armed on the process's watchdog (:meth:`StoreChannel._step`,
+:mod:`ignite_ext.distributed._steps`), which shuts down the connections to the store when a request is ``T``
+overdue or ``timeout=`` is over: a request to a paused or cut-off host would otherwise block until TCP gives up.
 
 **Cost** per rank and block, nothing failing: about 15 requests plus 4 per slice waited (see the scheduling
 guide); per beat 2 requests; rank 0 additionally reads the N entries (one ``multi_get``) and wakes the others (one
@@ -64,7 +64,7 @@ from ignite_ext.distributed._heartbeat import (
     stopped_with,
 )
 from ignite_ext.distributed._state import GroupState
-from ignite_ext.distributed._steps import forget_worker_of_this_thread, worker_of_this_thread
+from ignite_ext.distributed._steps import store_port, watchdog
 from ignite_ext.distributed._store import BlockKeys, Store, heartbeat_key, put, put_once, read
 from ignite_ext.distributed.policies import Plan
 from ignite_ext.errors import RankDiedError, RankFailedError, RankFailure, StoreLostError
@@ -111,7 +111,9 @@ class StoreChannel(Channel):
         self.dead: set[int] = set()  # ranks this rank knows died in this block
         self._dependents: list[list[int]] = [[] for _ in range(world_size)]
         self._started = time.monotonic()
-        self._answer_by = float("inf")  # when the store request under way is overdue (see _step)
+        self._port = store_port(self.client)  # None: not a TCPStore, nothing to watch (see _step)
+        self._token: int | None = None  # the step under way, on the watchdog
+        self._ends_at = float("inf")
 
     def start(self, plan: Plan) -> None:
         super().start(plan)
@@ -139,31 +141,42 @@ class StoreChannel(Channel):
         """Run one step of the protocol; give up on a store that stops answering.
 
         A TCPStore client request to a paused or cut-off host blocks until TCP gives up (about 15 minutes), its
-        own timeout only bounding waits for keys. So a step runs on this thread's worker, and the caller stops
-        waiting for it when a request is :func:`heartbeat_timeout` overdue (a store that silent is as lost as a
-        rank that silent) or, with ``timeout=``, when the timeout plus :data:`_STORE_GRACE_S` is over. The worker
-        and its client are then abandoned: this thread never uses them again. ``IGNITE_EXT_STORE_WATCHDOG=0`` runs
-        steps in the calling thread instead (a silent store then blocks it until TCP gives up).
+        own timeout only bounding waits for keys. So each step is armed on this process's watchdog
+        (:mod:`ignite_ext.distributed._steps`): a request :func:`heartbeat_timeout` overdue (a store that silent is
+        as lost as a rank that silent) or, with ``timeout=``, still unanswered when the timeout plus
+        :data:`_STORE_GRACE_S` is over, has its connection shut down, and the step raises ``StoreLostError``.
+        ``IGNITE_EXT_STORE_WATCHDOG=0`` turns the watchdog off (a silent store then blocks until TCP gives up).
         """
-        if os.environ.get("IGNITE_EXT_STORE_WATCHDOG", "1") == "0":
-            return self._guarded(step)  # in this thread: some 20-60 µs less per step, but no bound on a silent store
+        if self._port is None or os.environ.get("IGNITE_EXT_STORE_WATCHDOG", "1") == "0":
+            return self._guarded(step)
         now = time.monotonic()
-        self._answer_by = now + heartbeat_timeout()
-        running = worker_of_this_thread().submit(lambda: self._guarded(step))
         # A step begun after the timeout (a first rank leaving after working longer) still gets the grace.
-        ends_at = float("inf") if self.timeout is None else max(now, self._started + self.timeout) + _STORE_GRACE_S
-        while True:
-            limit = min(self._answer_by, ends_at)
-            if running.done.wait(max(0.0, limit - time.monotonic())):
-                return running.result()
-            if time.monotonic() >= min(self._answer_by, ends_at):  # the worker may have moved the limit meanwhile
-                break
-        forget_worker_of_this_thread()
-        forget_client_of_this_thread(self.store)
-        raise StoreLostError(
-            f"no answer for {time.monotonic() - self._started:.0f} s",
-            f"rank {self.rank} waiting ({self.label}); the store did not answer: its host is paused or unreachable",
+        self._ends_at = (
+            float("inf") if self.timeout is None else max(now, self._started + self.timeout) + _STORE_GRACE_S
         )
+        dog = watchdog()
+        self._token = dog.arm(min(now + heartbeat_timeout(), self._ends_at), self._port)
+        try:
+            value = self._guarded(step)
+        except StoreLostError as exc:
+            if not dog.disarm(self._token):
+                raise
+            forget_client_of_this_thread(self.store)
+            raise StoreLostError(
+                f"no answer for {time.monotonic() - now:.0f} s",
+                f"rank {self.rank} waiting ({self.label}); the store did not answer: its host is paused or unreachable",
+            ) from exc
+        except BaseException:
+            dog.disarm(self._token)
+            raise
+        if dog.disarm(self._token):  # it answered just as its connections were shut down: they are gone all the same
+            forget_client_of_this_thread(self.store)
+        return value
+
+    def _expect_answer_within(self, seconds: float) -> None:
+        """The request about to be sent may take ``seconds`` (a wait): move the step's deadline accordingly."""
+        if self._token is not None:
+            watchdog().extend(self._token, min(time.monotonic() + seconds + heartbeat_timeout(), self._ends_at))
 
     def _wait(self, ready: Callable[[], T | None], what: str) -> T:
         """Block until ``ready`` returns a value; one store wait per slice; liveness between slices; time out."""
@@ -185,7 +198,7 @@ class StoreChannel(Channel):
             seconds = min(slice_seconds(), max(0.01, next_log - time.monotonic()), max(0.01, left or float("inf")))
             self.heartbeat.tick(wake, seconds)
             wait_s = seconds + max(5.0, seconds)
-            self._answer_by = time.monotonic() + wait_s + heartbeat_timeout()
+            self._expect_answer_within(wait_s)
             try:
                 self.client.wait([wake], timedelta(seconds=wait_s))
             except torch.distributed.DistStoreError as exc:
@@ -194,7 +207,7 @@ class StoreChannel(Channel):
                 # The tick did not come (the heartbeat thread is gone): a slice all the same.
             finally:
                 self.heartbeat.untick(wake)
-            self._answer_by = time.monotonic() + heartbeat_timeout()
+            self._expect_answer_within(0.0)
             self.client.delete_key(wake)
             self._check_successor()
         return value
