@@ -437,5 +437,5 @@ class StoreChannel(Channel):
             raise StoreLostError(
                 cause,
                 f"rank {self.rank} waiting ({self.label}); the store did not answer: the process hosting it (rank "
-                "0's under env:// launches) has exited, or its host is paused or unreachable",
+                "0's under env://, node 0's agent under torchrun) has exited, or its host is paused or unreachable",
             ) from exc
