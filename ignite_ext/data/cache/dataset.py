@@ -54,7 +54,7 @@ class CachedDataset(Dataset[Any]):
     pickling (of the cache, only its shared-memory name travels; workers map it on first use), so it works with the
     ``fork`` and ``spawn`` start methods and with or without ``persistent_workers``. Samples are stored as a small
     header plus the raw bytes of their tensors and arrays. Every read returns tensors and arrays of its own (copies
-    under 64 KiB, private copy-on-write views of the cache from 64 KiB up, which cost no copy unless written to):
+    under 128 KiB, private copy-on-write views of the cache from 128 KiB up, which cost no copy unless written to):
     modifying a sample never changes the cache, nor what a later read gets. Nothing is evicted: once the cache is
     full, samples not in it are loaded from ``dataset`` each time they are read (and counted as misses).
 
@@ -220,14 +220,53 @@ class CachedDataset(Dataset[Any]):
             self._slot = (pid, 0 if info is None else info.id + 1)
         return self._slot[1]
 
-    def __getitem__(self, index: int) -> Any:
+    def _position(self, index: int) -> int:
         i = operator.index(index)
         if i < 0:
             i += self._len
         if not 0 <= i < self._len:
             raise IndexError(f"index {index} out of range for a dataset of {self._len} samples")
-        sample = self._read(i)
+        return i
+
+    def __getitem__(self, index: int) -> Any:
+        sample = self._read(self._position(index))
         return sample if self.transform is None else self.transform(sample)
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        """The samples at ``indices``: ``[self[i] for i in indices]``, for less. A DataLoader calls it per batch.
+
+        The hits in RAM are served without the per-sample bookkeeping of ``self[i]`` and counted once per call,
+        which matters when a sample is small enough for that bookkeeping to be a fair part of what reading it costs.
+
+        Examples:
+            >>> import torch
+            >>> from ignite_ext.data import CachedDataset
+            >>> ds = CachedDataset([torch.full((2,), float(i)) for i in range(4)], capacity_bytes=1 << 20)
+            >>> [x[0].item() for x in ds.__getitems__([3, 1, 3])]
+            [3.0, 1.0, 3.0]
+            >>> ds.stats().hits, ds.stats().misses
+            (1, 2)
+            >>> ds.close()
+
+        .. versionadded:: 0.2.0
+        """
+        ram = self._tiers.ram
+        samples = []
+        hits = 0
+        try:
+            for index in indices:
+                i = self._position(index)
+                raw = ram.lookup(i)
+                if raw is None:
+                    sample = self._read(i)  # on disk, or loaded: counted there
+                else:
+                    sample = decode(raw, functools.partial(ram.borrow, i))
+                    hits += 1
+                samples.append(sample if self.transform is None else self.transform(sample))
+        finally:
+            if hits:
+                ram.count(self._row, self._count_slot(), hits=hits)
+        return samples
 
     def _read(self, i: int) -> Any:
         """Sample ``i`` from the cache, or loaded (and stored if it can be); counted either way."""
