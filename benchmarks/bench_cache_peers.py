@@ -19,6 +19,8 @@ Measures, per sample size and number of ranks:
 * **throughput**: the variants' processes stay up side by side and take turns, one epoch each per round, in a
   rotating order; from epoch 1 on (every cache warm, the peers' files written), a variant's samples/s is the
   median over rounds, and ``vs_in_memory`` the median of its rate over in-memory's in the same round;
+  ``cpu_vs_in_memory``: the CPU time of all its processes per sample over those rounds, over in-memory's (a
+  steadier measure of the cost on a loaded machine);
 * **first epoch**: seconds from the source dataset to the end of epoch 0: loading everything (in-memory),
   ``optimize`` or the ``MDSWriter`` pass (the peers, on rank 0, the other rank waiting), plus epoch 0;
 * **RAM**: each variant alone, after 3 epochs, workers alive: the PSS of all its processes (every rank and
@@ -59,7 +61,7 @@ SIZES: dict[str, tuple[tuple[int, int], ...]] = {
     "quick": ((64 << 10, 512), (1 << 20, 32)),
 }
 #: Epochs of the throughput phase (epoch 0, then the measured rounds).
-EPOCHS = {"full": 9, "quick": 3}
+EPOCHS = {"full": 11, "quick": 3}
 RAM_EPOCHS = 3
 RANKS = (1, 2)
 _MiB = 1 << 20
@@ -156,6 +158,10 @@ class Group:
         files = sorted({f for a in answers for f in a["files"]})
         return {**group_memory(pids, files), "workers": sum(pss(p) for p in workers)}
 
+    def cpu_seconds(self) -> float:
+        """CPU time used so far by every rank and its DataLoader workers (user and system)."""
+        return sum(_cpu_seconds(p) for a in self.ask("pids") for p in a["pids"])
+
     def close(self) -> None:
         """Ask every rank to quit (killed after a minute), then remove the variant's files."""
         for proc in self.procs:
@@ -176,6 +182,15 @@ class Group:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
+def _cpu_seconds(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -183,21 +198,28 @@ def _free_port() -> int:
 
 
 def _throughput(python: str, source: str, n: int, numel: int, ranks: int, epochs: int, tmp: str) -> dict[str, Any]:
-    """Interleaved epochs of all variants at once: per variant, the samples/s of each round from epoch 1 on."""
+    """Interleaved epochs of all variants at once, from epoch 1 on: samples/s per round, CPU seconds per sample.
+
+    ``rates``: each variant's samples/s in each round; ``cpu_per_sample``: the CPU time its processes (every
+    rank and worker) used over those rounds, per sample.
+    """
     groups = {v: Group(python, v, source, n, numel, ranks, tmp) for v in VARIANTS}
     try:
         for group in groups.values():  # one at a time: a setup never competes with another for the CPUs
             group.ask("setup")
             group.epoch(n)
         rates: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        cpu = {v: -groups[v].cpu_seconds() for v in VARIANTS}
         for r in range(1, epochs):
             order = VARIANTS[r % len(VARIANTS) :] + VARIANTS[: r % len(VARIANTS)]
             for v in order:
                 rates[v].append(n / groups[v].epoch(n))
+        for v in VARIANTS:
+            cpu[v] += groups[v].cpu_seconds()
     finally:
         for group in groups.values():
             group.close()
-    return rates
+    return {"rates": rates, "cpu_per_sample": {v: cpu[v] / (n * (epochs - 1)) for v in VARIANTS}}
 
 
 def _alone(python: str, variant: str, source: str, n: int, numel: int, ranks: int, tmp: str) -> dict[str, Any]:
@@ -222,9 +244,10 @@ def _paired(rates: dict[str, list[float]], variant: str, peer: str) -> float:
     return statistics.median(a / b for a, b in zip(rates[variant], rates[peer], strict=True))
 
 
-def _rows(sample_bytes: int, ranks: int, rates: dict[str, Any], alone: dict[str, Any]) -> list[dict[str, Any]]:
+def _rows(sample_bytes: int, ranks: int, measured: dict[str, Any], alone: dict[str, Any]) -> list[dict[str, Any]]:
     label = f"{sample_bytes >> 10} KiB" if sample_bytes < _MiB else f"{sample_bytes // _MiB} MiB"
     base = alone["in-memory"]
+    rates, cpu = measured["rates"], measured["cpu_per_sample"]
     rows = []
     for v in VARIANTS:
         mine = alone[v]
@@ -237,6 +260,8 @@ def _rows(sample_bytes: int, ranks: int, rates: dict[str, Any], alone: dict[str,
                 "samples_per_s": round(statistics.median(rates[v]), 1),
                 "vs_in_memory": round(_paired(rates, v, "in-memory"), 3),
                 "vs_LitData": round(_paired(rates, v, "LitData"), 3),
+                "cpu_us_per_sample": round(cpu[v] * 1e6, 1),
+                "cpu_vs_in_memory": round(cpu[v] / cpu["in-memory"], 3),
                 "first_epoch_s": round(mine["first_s"], 2),
                 "first_epoch_vs_in_memory": round(mine["first_s"] / base["first_s"], 2),
                 "RAM_MiB": round(mine["memory"]["total"] / _MiB),
@@ -257,7 +282,9 @@ def _summary(rows: list[dict[str, Any]]) -> str:
         parts.append(
             f"{sample}, {ranks} rank{'s' if ranks > 1 else ''}: cached epochs vs in-memory CachedDataset "
             f"{ours['vs_in_memory']:.2f}, LitData {lit['vs_in_memory']:.2f}, Mosaic {mosaic['vs_in_memory']:.2f} "
-            f"(CachedDataset {ours['vs_LitData']:.2f}x LitData); first epoch vs in-memory "
+            f"(CachedDataset {ours['vs_LitData']:.2f}x LitData); CPU per sample vs in-memory "
+            f"{ours['cpu_vs_in_memory']:.2f} / {lit['cpu_vs_in_memory']:.2f} / {mosaic['cpu_vs_in_memory']:.2f}; "
+            f"first epoch vs in-memory "
             f"{ours['first_epoch_vs_in_memory']:.2f} / {lit['first_epoch_vs_in_memory']:.2f} / "
             f"{mosaic['first_epoch_vs_in_memory']:.2f}; RAM vs in-memory ({group['in-memory']['RAM_MiB']} MiB) "
             f"{ours['RAM_vs_in_memory']:.2f} / {lit['RAM_vs_in_memory']:.2f} / {mosaic['RAM_vs_in_memory']:.2f}"
@@ -322,7 +349,7 @@ def run(quick: bool = False, python: str | None = None) -> dict[str, Any]:
         f"{WORKERS} workers, batch {BATCH}",
         "rows": rows,
         "summary": _summary(rows),
-        "plot": {"x": "label", "y": ["vs_in_memory", "RAM_vs_in_memory"], "kind": "bar"},
+        "plot": {"x": "label", "y": ["vs_in_memory", "cpu_vs_in_memory", "RAM_vs_in_memory"], "kind": "bar"},
     }
 
 
