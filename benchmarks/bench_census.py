@@ -19,6 +19,8 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +28,7 @@ from benchmarks.bench_scale import run_ranks
 
 NAME = "census"
 PER_HOST = 2
-_COUNTED = ("stat", "lstat", "mkdir", "open", "link", "unlink", "listdir", "scandir")
+COUNTED = ("stat", "lstat", "mkdir", "open", "link", "unlink", "listdir", "scandir")
 
 
 def _host(name: str) -> None:
@@ -36,11 +38,11 @@ def _host(name: str) -> None:
     assert socket.gethostname() == name
 
 
-def _census(path: str) -> tuple[dict[str, int], float, bool]:
-    import ignite_ext.distributed as idist
-
-    counts = dict.fromkeys(_COUNTED, 0)
-    originals = {name: getattr(os, name) for name in _COUNTED}
+@contextmanager
+def counting_fs_ops() -> Iterator[dict[str, int]]:
+    """Count this process's calls of the filesystem operations a census may make, while inside."""
+    counts = dict.fromkeys(COUNTED, 0)
+    originals = {name: getattr(os, name) for name in COUNTED}
     real_open = builtins.open
 
     def counting(name: str) -> Any:
@@ -54,18 +56,25 @@ def _census(path: str) -> tuple[dict[str, int], float, bool]:
         counts["open"] += 1
         return real_open(*args, **kwargs)
 
-    for name in _COUNTED:
+    for name in COUNTED:
         setattr(os, name, counting(name))
     builtins.open = open_counted
-    start = time.perf_counter()
     try:
-        with idist.rank_scheduler(order=idist.SharedPath(path)) as turn:
-            took = time.perf_counter() - start
-            leader = bool(turn)
+        yield counts
     finally:
         for name, fn in originals.items():
             setattr(os, name, fn)
         builtins.open = real_open
+
+
+def _census(path: str) -> tuple[dict[str, int], float, bool]:
+    import ignite_ext.distributed as idist
+
+    with counting_fs_ops() as counts:
+        start = time.perf_counter()
+        with idist.rank_scheduler(order=idist.SharedPath(path)) as turn:
+            took = time.perf_counter() - start
+            leader = bool(turn)
     return counts, took, leader
 
 

@@ -151,16 +151,21 @@ def run_ranks(fn: Any, nproc: int, env: dict[str, str], *args: Any) -> Path:
     out = Path(tempfile.mkdtemp(prefix="ignite_ext_bench_scale_"))
     port = _free_port()
     procs = [ctx.Process(target=_rank_main, args=(fn, r, nproc, port, env, (str(out), *args))) for r in range(nproc)]
+    start_and_reap(procs)
+    return out
+
+
+def start_and_reap(procs: list[Any], deadline_s: float = 600.0) -> None:
+    """Start ``procs``, wait for them all, and kill what still runs when ``deadline_s`` is over."""
     for proc in procs:
         proc.start()
-    deadline = time.monotonic() + 600
+    deadline = time.monotonic() + deadline_s
     for proc in procs:
         proc.join(max(1.0, deadline - time.monotonic()))
     for proc in procs:
         if proc.is_alive():
             proc.kill()
             proc.join()
-    return out
 
 
 def run(quick: bool = False) -> dict[str, Any]:

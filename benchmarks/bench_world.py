@@ -35,7 +35,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bench_scale import CountingStore, own_requests
+from benchmarks.bench_scale import CountingStore, own_requests, start_and_reap
 
 NAME = "world"
 PER_RANK_MIB = 12  # what a forked simulated rank costs of its own (8-9 MiB private measured), with a margin
@@ -104,14 +104,7 @@ def _world(n: int, hold: float) -> list[list[dict[str, float]]]:
     ctx = mp.get_context("fork")
     gc.freeze()  # forked children then leave the parent's objects' pages shared
     procs = [ctx.Process(target=_rank, args=(r, n, server.port, hold, out), daemon=True) for r in range(n)]
-    for proc in procs:
-        proc.start()
-    deadline = time.monotonic() + 600
-    for proc in procs:
-        proc.join(max(1.0, deadline - time.monotonic()))
-    for proc in procs:
-        if proc.is_alive():
-            proc.kill()
+    start_and_reap(procs)
     missing = [r for r in range(n) if not Path(out, f"{r}.json").exists()]
     if missing:
         raise RuntimeError(f"simulated ranks {missing[:8]}... of {n} did not finish")

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 import ignite_ext.distributed as idist
+from benchmarks.bench_census import counting_fs_ops
 from ignite_ext.distributed.shared_path import MARKER_PREFIX
 from tests._world import World, free_port
 from tests.backends._bodies import observe
@@ -221,33 +222,10 @@ def test_two_nodes_under_torchrun(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------------------------------- cost and hosts
 
-_COUNTED = ("stat", "lstat", "mkdir", "open", "link", "unlink", "listdir", "scandir")
-
 
 def body_census_cost(path: str) -> dict[str, int]:
-    import builtins
-
-    counts = dict.fromkeys(_COUNTED, 0)
-    originals = {name: getattr(os, name) for name in _COUNTED}
-    real_open = builtins.open
-
-    def counting(name: str) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            counts[name] += 1
-            return originals[name](*args, **kwargs)
-
-        return call
-
-    for name in _COUNTED:
-        setattr(os, name, counting(name))
-    builtins.open = lambda *a, **k: (counts.__setitem__("open", counts["open"] + 1), real_open(*a, **k))[1]
-    try:
-        with idist.rank_scheduler(order=idist.SharedPath(path)):
-            pass
-    finally:
-        for name, fn in originals.items():
-            setattr(os, name, fn)
-        builtins.open = real_open
+    with counting_fs_ops() as counts, idist.rank_scheduler(order=idist.SharedPath(path)):
+        pass
     return counts
 
 
