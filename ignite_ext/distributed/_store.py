@@ -25,7 +25,7 @@ Every key lives under ``ignite_ext/``; this module is the only place that spells
     ignite_ext/sched/<seq>/lost/<rank>   who finds rank silent   by that rank, idem               "1"
                                          after it posted its
                                          outcome, once
-    ignite_ext/sched/<seq>/complete      who finds every outcome by rank 0, idem                  "1"
+    ignite_ext/sched/<seq>/complete      who finds every outcome by rank 0, idem                  failures JSON
                                          posted after a loss
 
 A block's keys are deleted only once the next block's verdict is known: rank 0 judges block ``seq + 1`` only after

@@ -307,9 +307,16 @@ class StoreChannel(Channel):
         self._complete_if_over()
 
     def _complete_if_over(self) -> None:
-        """After a loss: end the block for everyone if every rank has posted its outcome (one O(N) check)."""
+        """After a loss: end the block for everyone if every rank has posted its outcome (one O(N) check).
+
+        A failing rank's record may still be on its way when that is found, so the failures of every outcome go
+        into ``complete`` (one O(N) read, by the rank that finds the block over): the others read that one key.
+        """
         outcomes = [self.keys.outcome(r) for r in range(self.world_size)]
-        if self.client.check(outcomes) and put_once(self.client, self.keys.complete, b"1"):
+        if not self.client.check(outcomes):
+            return
+        failures = {f for outcome in self.client.multi_get(outcomes) for f in decode_failures(bytes(outcome))}
+        if put_once(self.client, self.keys.complete, encode_failures(sorted(failures, key=lambda f: f.rank))):
             self.client.add(self.keys.exits, _COMPLETE)
             self._wake_all()
 
@@ -408,12 +415,10 @@ class StoreChannel(Channel):
         found = own + inherited
         if not found:
             exits = self._wait(self._everyone_left, "every rank to finish")
-            if exits >= _LOST:  # after a loss, a failing rank's record may still be on its way: read outcomes too
-                outcomes = self.client.multi_get([self.keys.outcome(r) for r in range(self.world_size)])
-                found += {f for outcome in outcomes for f in decode_failures(bytes(outcome))}
-                records = int(self.client.add(self.keys.nfail, 0))
-            else:
-                records = exits // (self.world_size + 1)
+            if exits >= _COMPLETE:  # ended after a loss: every outcome's failures are in one key
+                found += decode_failures(self.client.get(self.keys.complete))
+            # After a loss, its ranks' records count no exit in ``exits``: the record counter says how many there are.
+            records = int(self.client.add(self.keys.nfail, 0)) if exits >= _LOST else exits // (self.world_size + 1)
             for i in range(1, records + 1):
                 found += decode_failures(self.client.get(self.keys.fail(i)))
             found = list(set(found))
