@@ -183,6 +183,12 @@ class Group:
 
 
 def _cpu_seconds(pid: int) -> float:
+    # The process's CPU clock (Linux's MAKE_PROCESS_CPUCLOCK) counts nanoseconds; /proc/<pid>/stat counts clock
+    # ticks of 10 ms, too coarse for a short run, whose in-memory epochs can cost less than one tick.
+    try:
+        return time.clock_gettime(((~pid) << 3) | 2)
+    except OSError:
+        pass
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()

@@ -44,6 +44,8 @@ def test_benchmark_contract_on_a_tiny_run(peers_python: str, monkeypatch: pytest
             row = rows[ranks, variant]
             assert row["samples_per_s"] > 0 and row["first_epoch_s"] > 0
             assert row["RAM_MiB"] >= row["PSS_MiB"] > row["workers_MiB"] > 0
+            # Counted in nanoseconds: an epoch of 32 in-memory samples can cost less than one 10 ms clock tick.
+            assert row["cpu_us_per_sample"] > 0 and row["cpu_vs_in_memory"] > 0
     # The data of the in-memory baseline is the sample itself; the cache's reads are copies or private views.
     assert rows[1, "in-memory"]["in_place_write"] == "later reads see the write"
     assert rows[1, "CachedDataset"]["in_place_write"] == "later reads unchanged"
