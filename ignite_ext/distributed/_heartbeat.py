@@ -13,10 +13,11 @@ import random
 import threading
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 
 from ignite_ext.distributed._channel import heartbeat_timeout, log_interval
+from ignite_ext.distributed._steps import store_port, watchdog, watchdog_enabled
 from ignite_ext.distributed._store import BlockKeys, Store, default_store, heartbeat_key, put, read
 
 __all__ = [
@@ -33,19 +34,27 @@ __all__ = [
 ]
 
 
-def slice_seconds() -> float:
-    """How long one wait lasts before the waiter checks its timeout and its successor (with 10 % jitter).
+def slice_seconds(heartbeat_watches: bool = True) -> float:
+    """How long one wait lasts before the waiter checks its timeout and logs (with 10 % jitter).
+
+    A slice is the log interval while this rank's heartbeat thread watches the successor the waiter watches (it
+    wakes the waiter early when that successor falls silent), and at most a third of the heartbeat timeout when the
+    waiter itself must read a successor's beats (one read per slice, after ranks died in the block).
+
+    Args:
+        heartbeat_watches: whether the heartbeat thread watches the waiter's successor.
 
     Examples:
         >>> import os
         >>> from ignite_ext.distributed._heartbeat import slice_seconds
         >>> os.environ["IGNITE_EXT_HEARTBEAT_TIMEOUT"] = "30"
-        >>> 9.0 <= slice_seconds() <= 11.0
-        True
+        >>> 27.0 <= slice_seconds() <= 33.0, 9.0 <= slice_seconds(heartbeat_watches=False) <= 11.0
+        (True, True)
         >>> del os.environ["IGNITE_EXT_HEARTBEAT_TIMEOUT"]
     """
+    seconds = log_interval() if heartbeat_watches else min(log_interval(), heartbeat_timeout() / 3)
     # Many waits expiring together return late on the libuv server: spread them.
-    return max(0.05, min(log_interval(), heartbeat_timeout() / 3)) * random.uniform(0.9, 1.1)
+    return max(0.05, seconds) * random.uniform(0.9, 1.1)
 
 
 def clone(store: Store) -> Store:
@@ -69,7 +78,14 @@ def stopped_with(beat: bytes, dead: bytes) -> bool:
 
 
 class Heartbeat:
-    """One daemon thread per process and store, on its own client: beats, wakes waiters at slice ends, deletes keys."""
+    """One daemon thread per process and store, on its own client: beats, watches the ring successor, wakes waiters.
+
+    Each beat reads the successor's beat (it is part of this rank's own, see ``stopped_with``), so the thread keeps
+    the one view of the successor every waiter of this process uses (:meth:`view_of`): waiting costs no reads of
+    it. When the successor has been silent for the heartbeat timeout, the thread ends every waiter's slice at once,
+    so that they declare it dead. While a waiter waits, each beat is armed on the watchdog: a store that does not
+    answer a beat within the heartbeat timeout is lost for the waiters too, whose slices are long.
+    """
 
     _instances: weakref.WeakKeyDictionary[Store, Heartbeat] = weakref.WeakKeyDictionary()
     _guard = threading.Lock()
@@ -79,13 +95,15 @@ class Heartbeat:
         self._client = clone(store)
         self._rank, self._successor = rank, (rank + 1) % world_size
         self._count = 0
+        self._every = max(0.05, heartbeat_timeout() / 6)
+        self._port = store_port(self._client)
         self._pending: list[str] = []
         self._ticks: dict[str, float] = {}  # wake key -> when to set it
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        #: This rank's view of its ring successor's beats, kept across blocks, and when it last looked.
-        self.watch: Watch | None = None
-        self.looked_at = 0.0
+        self._watch = Watch(self._successor)  # the successor's beats, as this thread reads them
+        # The start of the successor's current silence, and the wake keys already set for it.
+        self._alarmed: tuple[float, set[str]] = (float("nan"), set())
         self._beat()
         threading.Thread(target=self._run, name="ignite_ext-heartbeat", daemon=True).start()
 
@@ -111,19 +129,52 @@ class Heartbeat:
         with self._lock:
             self._ticks.pop(key, None)
 
+    def view_of(self, rank: int) -> tuple[bytes | None, float] | None:
+        """``rank``'s last beat and how long it had been unchanged when this thread last read it.
+
+        None when this thread does not watch ``rank`` (it is not the ring successor), or when its last read is
+        more than two beats old (the thread is stuck or gone): the caller then reads the beat itself.
+        """
+        with self._lock:
+            watch = self._watch
+            if watch.rank != rank or time.monotonic() - watch.read_at > 2 * self._every:
+                return None
+            return watch.value, watch.read_at - watch.since
+
     def _beat(self) -> bool:
         if self._store() is None:
             return False
         client = self._client
         self._count += 1
-        seen = beat_count(read(client, heartbeat_key(self._successor))) or b"-"
-        put(client, heartbeat_key(self._rank), b"%d|%s" % (self._count, seen))
+        successor = read(client, heartbeat_key(self._successor))
+        now = time.monotonic()
+        with self._lock:
+            silent = self._watch.observe(successor, now)
+            self._watch.read_at = now
+        put(client, heartbeat_key(self._rank), b"%d|%s" % (self._count, beat_count(successor) or b"-"))
+        if successor is not None and silent > heartbeat_timeout():
+            self._alarm()
         Lingering.release()
         with self._lock:
             pending, self._pending = self._pending, []
         for key in pending:
             client.delete_key(key)
         return True
+
+    def _alarm(self) -> None:
+        """Wake each waiter once per silence of the successor (also one that began its slice after the silence did).
+
+        Once woken, a waiter declares the successor dead and watches the ranks after it itself.
+        """
+        with self._lock:
+            since, woken = self._alarmed
+            if since != self._watch.since:
+                since, woken = self._alarmed = (self._watch.since, set())
+            due = [key for key in self._ticks if key not in woken]
+            woken.update(due)
+            for key in due:
+                del self._ticks[key]
+                put(self._client, key, b"t")
 
     def _fire_ticks(self) -> float:
         """Set the wake keys whose time has come; return the seconds until the next one."""
@@ -137,8 +188,7 @@ class Heartbeat:
         return max(0.0, upcoming - now)
 
     def _run(self) -> None:
-        every = max(0.05, heartbeat_timeout() / 6)
-        next_beat = time.monotonic() + every
+        next_beat = time.monotonic() + self._every
         while True:
             try:
                 until_tick = self._fire_ticks()
@@ -146,11 +196,22 @@ class Heartbeat:
                 self._wake.wait(wait)
                 self._wake.clear()
                 if time.monotonic() >= next_beat:
-                    if not self._beat():
+                    if not self._armed(self._beat):
                         return
-                    next_beat = time.monotonic() + every
+                    next_beat = time.monotonic() + self._every
             except Exception:
                 return  # the store is gone (process group destroyed or its host died): nothing left to beat
+
+    def _armed(self, beat: Callable[[], bool]) -> bool:
+        """Run ``beat``, armed on the watchdog while a waiter waits (outside blocks a slow store is not ours to cut)."""
+        if self._port is None or not self._ticks or not watchdog_enabled():
+            return beat()
+        dog = watchdog()
+        token = dog.arm(time.monotonic() + heartbeat_timeout(), self._port)
+        try:
+            return beat()
+        finally:
+            dog.disarm(token)
 
 
 class Watch:
@@ -160,6 +221,7 @@ class Watch:
         self.rank = rank
         self.value: bytes | None = None
         self.since = time.monotonic()
+        self.read_at = float("-inf")  # when the value was last read
 
     def observe(self, value: bytes | None, now: float) -> float:
         """Record ``value``; return for how long it has not changed (0 when it just did)."""

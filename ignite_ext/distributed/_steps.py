@@ -6,8 +6,8 @@ thread costs a context switch each, a millisecond a block on a busy machine), ea
 its store must have answered. One daemon thread per process sleeps until the earliest of those times; a step
 still armed then is overdue, and the watchdog shuts down every connection of this process to that store
 (found in ``/proc/self/net/tcp*`` and ``/proc/self/fd``). The blocked request then fails at once
-("Connection was likely closed"), and the step raises :class:`~ignite_ext.errors.StoreLostError`: a store
-that silent is lost for every thread of the process anyway.
+("Connection was likely closed"), and the step, and every other step armed on that store, raises
+:class:`~ignite_ext.errors.StoreLostError`: a store that silent is lost for every thread of the process anyway.
 
 .. versionadded:: 0.2.0
 """
@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["Watchdog", "store_port", "watchdog"]
+__all__ = ["Watchdog", "store_port", "watchdog", "watchdog_enabled"]
 
 
 def store_port(store: Any) -> int | None:
@@ -120,7 +120,9 @@ class Watchdog:
         while True:
             with self._cond:
                 now = time.monotonic()
-                overdue = [(t, port) for t, (deadline, port) in self._armed.items() if deadline <= now]
+                ports = {port for deadline, port in self._armed.values() if deadline <= now}
+                # Every step on a cut port is tripped: its connection is shut down with the overdue one's.
+                overdue = [(t, port) for t, (_, port) in self._armed.items() if port in ports]
                 for token, _ in overdue:
                     self._tripped.add(token)
                     del self._armed[token]
@@ -159,3 +161,11 @@ def watchdog() -> Watchdog:
     .. versionadded:: 0.2.0
     """
     return _WATCHDOG
+
+
+def watchdog_enabled() -> bool:
+    """False when ``IGNITE_EXT_STORE_WATCHDOG=0``: a silent store then blocks its requests until TCP gives up.
+
+    .. versionadded:: 0.2.0
+    """
+    return os.environ.get("IGNITE_EXT_STORE_WATCHDOG", "1") != "0"

@@ -6,30 +6,34 @@ See :mod:`ignite_ext.distributed._channel` for the protocol and :mod:`ignite_ext
 (``.../wake/<rank>``). Whoever completes what it waits for sets that key: the rank whose ``add`` makes every rank
 entered (rank 0's key), rank 0 posting the verdict (every other rank's keys, one ``multi_set``), a rank posting
 its outcome (the keys of the ranks whose turn comes after it), the rank whose exit makes every rank left (every
-key). Its own heartbeat thread sets it too, once a slice (a third of the heartbeat timeout, with jitter) is
-over, so that the waiter checks its timeout, logs, and checks that its ring successor is alive. A waiter always
-reads its condition after deleting its wake key, so no wake-up is ever lost. A wait therefore costs a few requests
-per slice whatever its length, and a waiter is told within a fraction of a millisecond.
+key). Its own heartbeat thread sets it too, once a slice (the log interval, with jitter) is over, so that the
+waiter checks its timeout and logs, and at once when the ring successor has fallen silent. A waiter always reads
+its condition after deleting its wake key, so no wake-up is ever lost. A wait therefore costs three requests per
+slice whatever its length, and a waiter is told within a fraction of a millisecond.
 
 **Liveness.** Every process beats ``ignite_ext/hb/<rank>`` from a daemon thread on its own store client (a blocked
 ``wait`` holds its client's lock), every sixth of the heartbeat timeout ``T``, from the moment its process group
 exists (:func:`~ignite_ext.distributed._heartbeat.watch_for_groups`). A beat writes ``<count>|<count of the
-successor>``: the beat number, and the beat number of rank ``rank + 1`` as last seen. Each waiting rank watches
-its ring successor (at most one read per slice, the view kept across blocks): ``T`` seconds without a change and
-it is declared dead, exactly once (``compare_set`` of its outcome), and so is every rank after it that beat at
-most twice after the dead rank last saw it (alive, it would have beaten about six times since), at once, in one
-pass, each outcome naming all of them: a lost node's ranks are all reported within ``T`` plus at most a slice
-(``4/3 T``), not one timeout each. A rank found dead after posting its outcome is declared too (see
-:meth:`StoreChannel._lost_leaving`). A rank is only mistaken for dead when its beat thread cannot run for
-``5/6 T`` (25 s at the default): CPython hands the GIL to another thread every 5 ms unless a C extension holds it
-that long. A rank that never beat (its process group is not up yet) cannot be told dead from late, and is not
-declared.
+successor>``: the beat number, and the beat number of rank ``rank + 1`` as last seen. So the heartbeat thread
+reads the ring successor's beat anyway, and a waiter uses that view (:meth:`Heartbeat.view_of`) with no request
+of its own; past a successor declared dead it reads the next rank's beat itself, once a slice (then ``T/3``).
+``T`` seconds without a change and the successor is declared dead, exactly once (``compare_set`` of its
+outcome), and so is every rank after it that beat at most twice after the dead rank last saw it (alive, it would
+have beaten about six times since), at once, in one pass, each outcome naming all of them: a lost node's ranks are
+all reported within ``T`` plus two beats (``4/3 T``), not one timeout each. A rank found dead after posting its
+outcome is declared too (see :meth:`StoreChannel._lost_leaving`); whoever declares a dead rank wakes the ranks
+waiting for it, since it may have died before it could. A rank is only mistaken for dead when its beat thread
+cannot run for ``5/6 T`` (25 s at the default): CPython hands the GIL to another thread every 5 ms unless a C
+extension holds it that long. A rank that never beat (its process group is not up yet) cannot be told dead from
+late, and is not declared.
 
 **A silent store.** Each step (entry, wait, leave) is armed on the process's watchdog (:meth:`StoreChannel._step`,
 :mod:`ignite_ext.distributed._steps`), which shuts down the connections to the store when a request is ``T``
 overdue or ``timeout=`` is over: a request to a paused or cut-off host would otherwise block until TCP gives up.
+While a rank waits, its heartbeat thread's beats are armed as well, so that a silent store is found within a beat
+and ``T`` although a slice is long.
 
-**Cost** per rank and block, nothing failing: about 15 requests plus 4 per slice waited (see the scheduling
+**Cost** per rank and block, nothing failing: about 12 requests plus 3 per slice waited (see the scheduling
 guide); per beat 2 requests; rank 0 additionally reads the N entries (one ``multi_get``) and wakes the others (one
 ``multi_set``).
 
@@ -38,7 +42,6 @@ guide); per beat 2 requests; rank 0 additionally reads the N entries (one ``mult
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Iterable
 from datetime import timedelta
@@ -64,7 +67,7 @@ from ignite_ext.distributed._heartbeat import (
     stopped_with,
 )
 from ignite_ext.distributed._state import GroupState
-from ignite_ext.distributed._steps import store_port, watchdog
+from ignite_ext.distributed._steps import store_port, watchdog, watchdog_enabled
 from ignite_ext.distributed._store import BlockKeys, Store, heartbeat_key, put, put_once, read
 from ignite_ext.distributed.policies import Plan
 from ignite_ext.errors import RankDiedError, RankFailedError, RankFailure, StoreLostError
@@ -82,8 +85,8 @@ _DEATH_VERDICT = b"D\n"
 _LOST = 1 << 32
 # Added once, after a loss, by the rank that finds every outcome posted: the block is over.
 _COMPLETE = 1 << 52
-# Of a slice: the least time between two looks at the successor's heartbeat (a slice is 0.9-1.1 of its length).
-_LOOK_EVERY = 0.8
+# Added to ``entered`` by whoever posts a death at the entry as the verdict: far above any count of ranks.
+_DEATH_ENTERED = 1 << 32
 # With timeout=, how long past it a protocol step may still take before the store counts as unreachable.
 _STORE_GRACE_S = 2.0
 
@@ -109,6 +112,8 @@ class StoreChannel(Channel):
         # Blocking waits hold a client's lock: this thread's own client, so other threads' store calls never wait.
         self.client = self._guarded(lambda: client_of_this_thread(store))
         self.dead: set[int] = set()  # ranks this rank knows died in this block
+        self._watches: dict[int, Watch] = {}  # successors past dead ranks, whose beats this rank reads itself
+        self._reads_successor = False
         self._dependents: list[list[int]] = [[] for _ in range(world_size)]
         self._started = time.monotonic()
         self._port = store_port(self.client)  # None: not a TCPStore, nothing to watch (see _step)
@@ -147,7 +152,7 @@ class StoreChannel(Channel):
         :data:`_STORE_GRACE_S` is over, has its connection shut down, and the step raises ``StoreLostError``.
         ``IGNITE_EXT_STORE_WATCHDOG=0`` turns the watchdog off (a silent store then blocks until TCP gives up).
         """
-        if self._port is None or os.environ.get("IGNITE_EXT_STORE_WATCHDOG", "1") == "0":
+        if self._port is None or not watchdog_enabled():
             return self._guarded(step)
         now = time.monotonic()
         # A step begun after the timeout (a first rank leaving after working longer) still gets the grace.
@@ -178,24 +183,30 @@ class StoreChannel(Channel):
         if self._token is not None:
             watchdog().extend(self._token, min(time.monotonic() + seconds + heartbeat_timeout(), self._ends_at))
 
-    def _wait(self, ready: Callable[[], T | None], what: str) -> T:
-        """Block until ``ready`` returns a value; one store wait per slice; liveness between slices; time out."""
-        start = time.monotonic()
-        next_log = start + log_interval()
-        wake = self.keys.wake(self.rank)
-        if (value := ready()) is not None:
+    def _wait(self, ready: Callable[[], T | None], what: str, checked: bool = False, known: T | None = None) -> T:
+        """Block until ``ready`` returns a value; one store wait per slice; liveness between slices; time out.
+
+        ``checked``: the caller has just learnt what ``ready`` would return, ``known`` (no request then).
+        """
+        value = known if checked else ready()
+        if value is not None:
             return value
-        self._check_successor()  # a first look at once: a silence is timed from the first look
-        while (value := ready()) is None:
+        start = logged = time.monotonic()
+        wake = self.keys.wake(self.rank)
+        declared = self._check_successor()  # a first look at once
+        while True:
+            if declared and (value := ready()) is not None:  # what this rank posted may be what it waits for
+                return value
             now = time.monotonic()
             left = self._bounded()
             if left is not None and left <= 0:
                 raise TimeoutError(f"rank {self.rank} waited {now - start:.0f} s for {what} ({self.label})")
-            if now >= next_log:
+            if now - logged >= 0.9 * log_interval():  # at a slice's end, about once a log interval
                 log().info("rank %d has waited %.0f s for %s (%s)", self.rank, now - start, what, self.label)
-                next_log = now + log_interval()
-            # A slice ends at the latest when the next log line or the timeout is due.
-            seconds = min(slice_seconds(), max(0.01, next_log - time.monotonic()), max(0.01, left or float("inf")))
+                logged = now
+            seconds = slice_seconds(heartbeat_watches=not self._reads_successor)
+            if left is not None:
+                seconds = max(0.01, min(seconds, left))
             self.heartbeat.tick(wake, seconds)
             wait_s = seconds + max(5.0, seconds)
             self._expect_answer_within(wait_s)
@@ -209,32 +220,38 @@ class StoreChannel(Channel):
                 self.heartbeat.untick(wake)
             self._expect_answer_within(0.0)
             self.client.delete_key(wake)
-            self._check_successor()
-        return value
+            if (value := ready()) is not None:
+                return value
+            declared = self._check_successor()
 
     # --- liveness ------------------------------------------------------------------------------------------------
 
     def _next(self, rank: int) -> int:
         return (rank + 1) % self.world_size
 
-    def _check_successor(self) -> None:
-        """Read the ring successor's beat; declare it, and the dead run of ranks after it, dead after ``T``."""
+    def _check_successor(self) -> bool:
+        """Look at the ring successor's beat; declare it, and the dead run of ranks after it, dead after ``T``.
+
+        Returns:
+            Whether it found ranks dead.
+        """
         succ = self._next(self.rank)
         while succ in self.dead and succ != self.rank:
             succ = self._next(succ)
         if succ == self.rank:
-            return
-        # One look per slice at most, across the blocks of this process: a silence is timed from the first look
-        # anyway, and looks more frequent than slices would not notice a death sooner.
-        hb, now = self.heartbeat, time.monotonic()
-        if hb.watch is not None and hb.watch.rank == succ and now - hb.looked_at < _LOOK_EVERY * slice_seconds():
-            return
-        watch = hb.watch if hb.watch is not None and hb.watch.rank == succ else Watch(succ)
-        hb.watch, hb.looked_at = watch, now
-        beat = read(self.client, heartbeat_key(succ))
-        silent = watch.observe(beat, time.monotonic())
+            return False
+        # The heartbeat thread reads the successor's beat at each beat anyway, and wakes the waiters when it falls
+        # silent: no request. Past a dead rank (or with the thread behind), read it, once a slice.
+        view = self.heartbeat.view_of(succ)
+        self._reads_successor = view is None
+        if view is None:
+            watch = self._watches.setdefault(succ, Watch(succ))
+            beat = read(self.client, heartbeat_key(succ))
+            silent = watch.observe(beat, time.monotonic())
+        else:
+            beat, silent = view
         if beat is None or silent <= heartbeat_timeout():
-            return  # alive, or never beat (not started yet: cannot be told from late)
+            return False  # alive, or never beat (not started yet: cannot be told from late)
         victims, last = [succ], beat
         nxt = self._next(succ)
         while nxt != self.rank and nxt not in self.dead:
@@ -254,16 +271,21 @@ class StoreChannel(Channel):
             )
             for v in victims
         ]
-        self.dead.update(victims)
         if not self.plan.turns:  # still at the entry: nobody has run anything, so everyone just stops
             if put_once(self.client, self.keys.verdict, _DEATH_VERDICT + encode_failures(failures)):
                 log().warning(
                     "rank %d: declaring ranks %s dead at the entry (%s)", self.rank, victims, failures[0].message
                 )
+                self.dead.update(victims)
+                self.client.add(self.keys.entered, _DEATH_ENTERED)  # rank 0's one read then tells it
                 self._wake_all()
-            return
+            # Else a verdict came first (rank 0 may have died after posting it, before waking anyone): this rank
+            # reads it, and declares the dead ranks in the plan's waits, where their outcomes are posted.
+            return True
+        self.dead.update(victims)
         for failure in failures:
             self._declare_dead(failure, failures, silent)
+        return True
 
     def _declare_dead(self, failure: RankFailure, together: list[RankFailure], silent_for: float) -> None:
         """Post ``failure.rank``'s outcome as its death; those waiting for it learn of all who died ``together``."""
@@ -298,6 +320,7 @@ class StoreChannel(Channel):
             died=True,
         )
         log().warning("rank %d: declaring rank %d dead (%s)", self.rank, peer, failure.message)
+        self._wake(self._dependents[peer])  # it may have died before waking them: they wait for its outcome
         index = client.add(keys.nfail, 1)
         put(client, keys.fail(index), encode_failures([failure]))
         self.state.carried.setdefault(self.seq, []).extend([keys.fail(index), keys.lost(peer)])
@@ -353,18 +376,23 @@ class StoreChannel(Channel):
     def _exchange(self, mine: bytes, judge: Callable[[list[bytes]], bytes]) -> bytes:
         client, keys = self.client, self.keys
         put(client, keys.entry(self.rank), mine)
-        if client.add(keys.entered, 1) == self.world_size and self.rank != 0:
+        entered = int(client.add(keys.entered, 1))
+        if entered == self.world_size and self.rank != 0:
             self._wake([0])
         if self.rank != 0:
             return self._wait(lambda: read(client, keys.verdict), "rank 0 to check the arguments")
 
-        def entered_or_dead() -> bytes | None:
-            verdict = read(client, keys.verdict)  # a death at the entry, posted by whoever noticed it
-            if verdict is not None:
-                return verdict
-            return b"" if int(client.add(keys.entered, 0)) >= self.world_size else None
+        def entered_or_dead(entered: int) -> bytes | None:
+            if entered >= _DEATH_ENTERED:  # a death at the entry, posted as the verdict by whoever noticed it
+                return bytes(client.get(keys.verdict))
+            return b"" if entered >= self.world_size else None
 
-        posted = self._wait(entered_or_dead, "every rank to enter")
+        posted = self._wait(
+            lambda: entered_or_dead(int(client.add(keys.entered, 0))),
+            "every rank to enter",
+            checked=True,
+            known=entered_or_dead(entered),
+        )
         if posted:
             return posted
         verdict = judge([bytes(v) for v in client.multi_get([keys.entry(r) for r in range(self.world_size)])])
@@ -373,17 +401,19 @@ class StoreChannel(Channel):
         self._wake_all()
         return verdict
 
-    def _record_exit(self, own: list[RankFailure]) -> None:
+    def _record_exit(self, own: list[RankFailure]) -> int:
+        """Count this exit (and post ``own`` failures); return ``exits`` as it now is."""
         client, keys = self.client, self.keys
         if own:
             index = client.add(keys.nfail, 1)
             put(client, keys.fail(index), encode_failures(own))
             self.state.carried.setdefault(self.seq, []).append(keys.fail(index))
-        exits = client.add(keys.exits, 1 + (self.world_size + 1) * bool(own))
+        exits = int(client.add(keys.exits, 1 + (self.world_size + 1) * bool(own)))
         if exits % _LOST % (self.world_size + 1) == self.world_size:
             self._wake_all()  # every rank has left: the ones waiting in leave go on
         elif _LOST <= exits < _COMPLETE:
             self._complete_if_over()
+        return exits
 
     def _ack(self) -> None:
         # At least: a rank lost while leaving may have acked before it died, and then been acked for.
@@ -410,11 +440,16 @@ class StoreChannel(Channel):
                 [RankFailure(self.rank, _DIED, "declared dead by its peers after its heartbeat stopped", died=True)],
                 f"rank {self.rank}",
             )
-        self._record_exit(own)
+        exits = self._record_exit(own)
         self._wake(self._dependents[self.rank])
         found = own + inherited
         if not found:
-            exits = self._wait(self._everyone_left, "every rank to finish")
+            exits = self._wait(
+                lambda: self._left(int(self.client.add(self.keys.exits, 0))),
+                "every rank to finish",
+                checked=True,
+                known=self._left(exits),
+            )
             if exits >= _COMPLETE:  # ended after a loss: every outcome's failures are in one key
                 found += decode_failures(self.client.get(self.keys.complete))
             # After a loss, its ranks' records count no exit in ``exits``: the record counter says how many there are.
@@ -428,8 +463,8 @@ class StoreChannel(Channel):
             Lingering.hold(self.store, self.keys, self.world_size - 1)
         return sorted(found, key=lambda f: f.rank)
 
-    def _everyone_left(self) -> int | None:
-        exits = int(self.client.add(self.keys.exits, 0))
+    def _left(self, exits: int) -> int | None:
+        """``exits`` when it says every rank has left (or the block was ended after a loss), else None."""
         return exits if exits >= _COMPLETE or exits % _LOST % (self.world_size + 1) == self.world_size else None
 
     def _guarded(self, fn: Callable[[], T]) -> T:

@@ -22,10 +22,8 @@ pytestmark = pytest.mark.timeout(240)
 T = 3.0  # the heartbeat timeout of these worlds
 
 
-def body_dies_before_first_block(victim: int, after: float) -> dict[str, Any]:
-    if idist.get_rank() == victim:
-        time.sleep(after)  # past the process group's start: the rank beats, though it never used a scheduler
-        os.kill(os.getpid(), signal.SIGKILL)
+def _empty_block() -> dict[str, Any]:
+    """One empty one_rank_first: ok, or the dead ranks it raised about and when."""
     start = time.monotonic()
     try:
         with idist.one_rank_first():
@@ -33,6 +31,13 @@ def body_dies_before_first_block(victim: int, after: float) -> dict[str, Any]:
         return {"outcome": "ok"}
     except idist.RankFailedError as exc:
         return {"outcome": "RankFailedError", "dead": list(exc.dead), "after": time.monotonic() - start}
+
+
+def body_dies_before_first_block(victim: int, after: float) -> dict[str, Any]:
+    if idist.get_rank() == victim:
+        time.sleep(after)  # past the process group's start: the rank beats, though it never used a scheduler
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _empty_block()
 
 
 def test_a_rank_dead_before_its_first_block_is_declared_at_the_entry(world: World) -> None:
@@ -81,10 +86,37 @@ def test_a_rank_dead_after_posting_its_outcome_is_declared(world: World, victim:
         assert r.ok and r.value["outcome"] == "RankFailedError", str(r)
         assert [f[:2] for f in r.value["failures"]] == [(victim, True)], r.value
         assert "after it finished its block" in r.value["failures"][0][2], r.value
-        assert r.value["after"] < 0.5 + 1.5 * T + 1.5, r.value
+        assert r.value["after"] < 0.5 + 1.5 * T + 1.5, (r.rank, [x.value for x in results])
 
 
-def body_store_paused(flag: str, timeout: float, work: float) -> dict[str, Any]:
+def body_dies_after_posting_the_verdict() -> dict[str, Any]:
+    from ignite_ext.distributed._store_channel import StoreChannel
+
+    with idist.one_rank_first():
+        pass  # every rank beats
+    if idist.get_rank() == 0:
+        # SIGKILL at the one point in between: verdict posted, nobody woken yet.
+        def die(self: StoreChannel) -> None:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        StoreChannel._wake_all = die  # type: ignore[method-assign]
+    return _empty_block()
+
+
+def test_rank_0_dead_after_posting_the_verdict_is_declared_in_the_plan(world: World) -> None:
+    # The watcher of rank 0 finds it silent while still waiting at the entry, but a verdict is posted: it reads
+    # it and declares rank 0 in the plan's wait for its outcome, waking the ranks that wait for that outcome.
+    with _store_server() as port:
+        env = {"IGNITE_EXT_HEARTBEAT_TIMEOUT": str(T), "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+        results = world.results(body_dies_after_posting_the_verdict, env=env, deadline=90)
+    assert results[0].killed
+    for r in results[1:]:
+        assert r.ok and r.value["outcome"] == "RankFailedError", str(r)
+        assert r.value["dead"] == [0], r.value
+        assert r.value["after"] < 1.5 * T + 1.5, (r.rank, [x.value for x in results])
+
+
+def body_store_paused(flag: str, timeout: float | None, work: float) -> dict[str, Any]:
     with idist.one_rank_first():
         pass
     start = time.monotonic()
@@ -98,8 +130,9 @@ def body_store_paused(flag: str, timeout: float, work: float) -> dict[str, Any]:
         return {"outcome": type(exc).__name__, "message": str(exc), "after": time.monotonic() - start}
 
 
-def test_a_paused_store_host_is_reported_within_the_timeout(world: World, tmp_path: Path) -> None:
-    flag, timeout, work = tmp_path / "inside", 3.0, 5.0
+def _pause_store_inside_the_block(
+    world: World, flag: Path, timeout: float | None, work: float, heartbeat_timeout: float
+) -> list[Any]:
     with _store_server() as port:
         server = _SERVERS[port]
 
@@ -113,10 +146,19 @@ def test_a_paused_store_host_is_reported_within_the_timeout(world: World, tmp_pa
 
             threading.Thread(target=watch, daemon=True).start()
 
-        env = {"IGNITE_EXT_HEARTBEAT_TIMEOUT": "5", "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
-        results = world.results(
+        env = {
+            "IGNITE_EXT_HEARTBEAT_TIMEOUT": str(heartbeat_timeout),
+            "MASTER_PORT": str(port),
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+        }
+        return world.results(
             body_store_paused, str(flag), timeout, work, env=env, deadline=90, on_start=stop_when_inside
         )
+
+
+def test_a_paused_store_host_is_reported_within_the_timeout(world: World, tmp_path: Path) -> None:
+    timeout, work = 3.0, 5.0
+    results = _pause_store_inside_the_block(world, tmp_path / "inside", timeout, work, heartbeat_timeout=5.0)
     for r in results:
         assert r.ok and r.value["outcome"] == "StoreLostError", str(r)
         assert "paused or unreachable" in r.value["message"], r.value
@@ -124,6 +166,20 @@ def test_a_paused_store_host_is_reported_within_the_timeout(world: World, tmp_pa
     # timeout; the first rank when it tries to post its outcome after its work.
     assert all(r.value["after"] < timeout + 2.5 for r in results[1:]), [r.value for r in results]
     assert results[0].value["after"] < work + 3.0, results[0].value
+
+
+def test_a_paused_store_host_is_reported_within_a_heartbeat_timeout_without_timeout(
+    world: World, tmp_path: Path
+) -> None:
+    # A wait's slices are as long as the log interval (30 s): the heartbeat thread's beats, armed while a rank
+    # waits, find the silent store within T of a beat (one every T/6), and the waiters' requests fail with them.
+    work = 8.0
+    results = _pause_store_inside_the_block(world, tmp_path / "inside", None, work, heartbeat_timeout=T)
+    for r in results:
+        assert r.ok and r.value["outcome"] == "StoreLostError", str(r)
+        assert "paused or unreachable" in r.value["message"], r.value
+    assert all(r.value["after"] < T * 7 / 6 + 2.0 for r in results[1:]), [r.value for r in results]
+    assert results[0].value["after"] < work + T + 2.0, results[0].value
 
 
 _SERVERS: dict[int, subprocess.Popen[bytes]] = {}

@@ -126,11 +126,15 @@ def test_the_survivors_gloo_barrier_gives_up_within_the_process_group_timeout(lo
 @pytest.mark.parametrize("lost_host", ["cut"], indirect=True)
 def test_the_cut_off_ranks_raise_store_lost_within_a_heartbeat_timeout(lost_host: Struck) -> None:
     # Rank 3 waits through the store, rank 2 reaches it when it leaves its block. A store request T overdue is
-    # a StoreLostError; a wait's request is due after its slice (T/3, plus 10 % jitter) plus 5 s.
-    bound = lost_host.inside + lost_host.block_s + (1.1 * T / 3 + 5.0) + T + GLOO_SLACK
-    records = lost_host.job.wait(lost_host.lost, timeout=max(1.0, bound - time.monotonic()))
+    # a StoreLostError; while rank 3 waits, its heartbeat thread's beats (one every T/6) are armed too. Their
+    # records come after their gloo barrier, which gives up after the process group's timeout.
+    bound = {3: lost_host.at + T / 6 + T + 1.0, 2: lost_host.inside + lost_host.block_s + T + 1.0}
+    records = lost_host.job.wait(
+        lost_host.lost, timeout=max(bound.values()) + PG_TIMEOUT + GLOO_SLACK - time.monotonic()
+    )
     for rank, rec in records.items():
         assert rec["ok"] and rec["value"]["error"] == "StoreLostError", (rank, rec)
+        assert rec["value"]["raised"] <= bound[rank], (rank, rec["value"]["raised"] - lost_host.at)
 
 
 def test_killing_the_store_host_is_a_store_lost_error_on_the_others(store_host: Struck) -> None:
