@@ -18,6 +18,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 NAME = "schedule"
 
@@ -68,10 +69,10 @@ def _measure(nproc: int, rounds: int, calls: int, variant: str) -> dict[str, flo
     import ignite_ext.distributed as idist
 
     channel, watchdog = VARIANTS[variant]
-    os.environ["IGNITE_EXT_SCHEDULER_CHANNEL"] = channel
-    os.environ["IGNITE_EXT_STORE_WATCHDOG"] = watchdog
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    with tempfile.TemporaryDirectory() as tmp:
+    env = {"IGNITE_EXT_SCHEDULER_CHANNEL": channel, "IGNITE_EXT_STORE_WATCHDOG": watchdog}
+    # For the ranks only: the benchmarks that run after this one in the same process must not inherit them.
+    with mock.patch.dict(os.environ, env), tempfile.TemporaryDirectory() as tmp:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
         out = str(Path(tmp) / "result.json")
         # A free port rather than idist.Parallel's default, which other jobs on the machine may hold.
         port = _free_port()

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
-import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -15,6 +12,7 @@ from typing import Any
 import pytest
 
 import ignite_ext.distributed as idist
+from benchmarks._store_server import StoreServer
 from tests._world import World
 
 pytestmark = pytest.mark.timeout(240)
@@ -76,7 +74,8 @@ def body_dies_while_leaving(victim: int) -> dict[str, Any]:
 def test_a_rank_dead_after_posting_its_outcome_is_declared(world: World, victim: int) -> None:
     # The store is not in the victim's process (TORCHELASTIC_USE_AGENT_STORE: as under torchrun), or rank 0's
     # death would take it along.
-    with _store_server() as port:
+    with StoreServer() as server:
+        port = server.port
         env = {"IGNITE_EXT_HEARTBEAT_TIMEOUT": str(T), "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
         results = world.results(body_dies_while_leaving, victim, env=env, deadline=90)
     assert results[victim].killed
@@ -106,7 +105,8 @@ def body_dies_after_posting_the_verdict() -> dict[str, Any]:
 def test_rank_0_dead_after_posting_the_verdict_is_declared_in_the_plan(world: World) -> None:
     # The watcher of rank 0 finds it silent while still waiting at the entry, but a verdict is posted: it reads
     # it and declares rank 0 in the plan's wait for its outcome, waking the ranks that wait for that outcome.
-    with _store_server() as port:
+    with StoreServer() as server:
+        port = server.port
         env = {"IGNITE_EXT_HEARTBEAT_TIMEOUT": str(T), "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
         results = world.results(body_dies_after_posting_the_verdict, env=env, deadline=90)
     assert results[0].killed
@@ -133,14 +133,15 @@ def body_store_paused(flag: str, timeout: float | None, work: float) -> dict[str
 def _pause_store_inside_the_block(
     world: World, flag: Path, timeout: float | None, work: float, heartbeat_timeout: float
 ) -> list[Any]:
-    with _store_server() as port:
-        server = _SERVERS[port]
+    with StoreServer() as server:
+        port = server.port
 
         def stop_when_inside(procs: list[Any]) -> None:
             def watch() -> None:
                 while not flag.exists():
                     time.sleep(0.02)
-                server.send_signal(signal.SIGSTOP)
+                assert server.proc is not None
+                server.proc.send_signal(signal.SIGSTOP)
 
             import threading
 
@@ -180,31 +181,3 @@ def test_a_paused_store_host_is_reported_within_a_heartbeat_timeout_without_time
         assert "paused or unreachable" in r.value["message"], r.value
     assert all(r.value["after"] < T * 7 / 6 + 2.0 for r in results[1:]), [r.value for r in results]
     assert results[0].value["after"] < work + T + 2.0, results[0].value
-
-
-_SERVERS: dict[int, subprocess.Popen[bytes]] = {}
-
-
-class _store_server:  # a context manager, named like the function it stands for
-    """A TCPStore served by a process of its own (as torchrun's agent serves it); killed on exit, even if stopped."""
-
-    def __enter__(self) -> int:
-        code = textwrap.dedent(
-            """
-            import datetime, sys, time
-            import torch.distributed as dist
-            store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=60), wait_for_workers=False)
-            print(store.port, flush=True)
-            time.sleep(300)
-            """
-        )
-        self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, start_new_session=True)
-        assert self.proc.stdout is not None
-        self.port = int(self.proc.stdout.readline())
-        _SERVERS[self.port] = self.proc
-        return self.port
-
-    def __exit__(self, *exc: object) -> None:
-        _SERVERS.pop(self.port, None)
-        self.proc.kill()
-        self.proc.wait(timeout=30)
