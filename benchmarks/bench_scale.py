@@ -2,9 +2,9 @@
 
 * **Requests.** Every rank counts the requests it sends to the store (a counting proxy around the process group's
   store, by thread: the rank's own, and its heartbeat thread's) for one ``one_rank_first`` whose first rank works
-  for 0, 0.1, 1, 10 and 60 seconds. A wait is one server-side ``wait`` per slice (a third of the heartbeat timeout):
+  for 0, 0.1, 1, 10 and 60 seconds. A wait is one server-side ``wait`` per slice (the log interval, 30 s):
   the count must not grow with the block's length but by a few requests per slice (goal: at most 40 for any
-  length at the default heartbeat timeout of 30 s).
+  length at the defaults).
 * **Detection.** 8 ranks run a block together; ``k`` of them (1, 3 and 7) are SIGKILLed at the same moment; the time
   from the kill to the survivors' ``RankFailedError`` naming all of them, as a multiple of the heartbeat timeout
   (goal: about 1.5 whatever ``k``; one timeout per dead rank before).

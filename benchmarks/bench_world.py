@@ -14,8 +14,8 @@ measured is what a real cluster's store sees from the scheduler:
   what one ``multi_set`` fanning out to N wake keys, and N server-side waits returning, cost.
 
 Ranks are grouped in simulated nodes of 8 (``LOCAL_RANK``, and the node size given to ignite, which would
-otherwise find it with a gloo group of every rank). The heartbeat timeout is the default (30 s, slices of
-~10 s), so a 5 s block is one slice. Each world size runs only if this machine's free memory allows (8-9 MiB
+otherwise find it with a gloo group of every rank). The heartbeat timeout and the log interval are the defaults
+(30 s each; a wait's slice is the log interval), so a 5 s block is one slice. Each world size runs only if this machine's free memory allows (8-9 MiB
 of private memory per simulated rank).
 """
 
