@@ -15,8 +15,8 @@ measured is what a real cluster's store sees from the scheduler:
 
 Ranks are grouped in simulated nodes of 8 (``LOCAL_RANK``, and the node size given to ignite, which would
 otherwise find it with a gloo group of every rank). The heartbeat timeout and the log interval are the defaults
-(30 s each; a wait's slice is the log interval), so a 5 s block is one slice. Each world size runs only if this machine's free memory allows (8-9 MiB
-of private memory per simulated rank).
+(30 s each; a wait's slice is the log interval), so a 5 s block is one slice. Each world size runs only if this
+machine's free memory allows (8-9 MiB of private memory per simulated rank).
 """
 
 from __future__ import annotations
