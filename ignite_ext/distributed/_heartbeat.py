@@ -141,6 +141,18 @@ class Heartbeat:
                 return None
             return watch.value, watch.read_at - watch.since
 
+    def watch_of(self, rank: int) -> Watch:
+        """A watch of ``rank`` for a caller that reads its beats itself.
+
+        A copy of this thread's when it watches ``rank``, so that the silence it measured goes on counting (its
+        reads may lag on a loaded host), else a new one.
+        """
+        watch = Watch(rank)
+        with self._lock:
+            if self._watch.rank == rank:
+                watch.value, watch.since, watch.read_at = self._watch.value, self._watch.since, self._watch.read_at
+        return watch
+
     def _beat(self) -> bool:
         if self._store() is None:
             return False

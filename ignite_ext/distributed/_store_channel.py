@@ -112,7 +112,7 @@ class StoreChannel(Channel):
         # Blocking waits hold a client's lock: this thread's own client, so other threads' store calls never wait.
         self.client = self._guarded(lambda: client_of_this_thread(store))
         self.dead: set[int] = set()  # ranks this rank knows died in this block
-        self._watches: dict[int, Watch] = {}  # successors past dead ranks, whose beats this rank reads itself
+        self._watches: dict[int, Watch] = {}  # successors whose beats this rank reads itself (past dead ranks)
         self._reads_successor = False
         self._dependents: list[list[int]] = [[] for _ in range(world_size)]
         self._started = time.monotonic()
@@ -245,7 +245,9 @@ class StoreChannel(Channel):
         view = self.heartbeat.view_of(succ)
         self._reads_successor = view is None
         if view is None:
-            watch = self._watches.setdefault(succ, Watch(succ))
+            if succ not in self._watches:
+                self._watches[succ] = self.heartbeat.watch_of(succ)
+            watch = self._watches[succ]
             beat = read(self.client, heartbeat_key(succ))
             silent = watch.observe(beat, time.monotonic())
         else:
