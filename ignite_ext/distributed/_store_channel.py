@@ -331,7 +331,7 @@ class StoreChannel(Channel):
             self._ack()
         self._complete_if_over()
 
-    def _complete_if_over(self) -> None:
+    def _complete_if_over(self) -> bool:
         """After a loss: end the block for everyone if every rank has posted its outcome (one O(N) check).
 
         A failing rank's record may still be on its way when that is found, so the failures of every outcome go
@@ -339,11 +339,13 @@ class StoreChannel(Channel):
         """
         outcomes = [self.keys.outcome(r) for r in range(self.world_size)]
         if not self.client.check(outcomes):
-            return
+            return False
         failures = {f for outcome in self.client.multi_get(outcomes) for f in decode_failures(bytes(outcome))}
         if put_once(self.client, self.keys.complete, encode_failures(sorted(failures, key=lambda f: f.rank))):
             self.client.add(self.keys.exits, _COMPLETE)
-            self._wake_all()
+            self._wake_all()  # every rank but this one, which must know without a wake-up: see _record_exit
+            return True
+        return False
 
     # --- the protocol --------------------------------------------------------------------------------------------
 
@@ -413,8 +415,8 @@ class StoreChannel(Channel):
         exits = int(client.add(keys.exits, 1 + (self.world_size + 1) * bool(own)))
         if exits % _LOST % (self.world_size + 1) == self.world_size:
             self._wake_all()  # every rank has left: the ones waiting in leave go on
-        elif _LOST <= exits < _COMPLETE:
-            self._complete_if_over()
+        elif _LOST <= exits < _COMPLETE and self._complete_if_over():
+            exits += _COMPLETE  # this rank ended the block: its own wait must not wait for a wake-up of itself
         return exits
 
     def _ack(self) -> None:
