@@ -5,7 +5,8 @@ in a mount namespace of the test's own, held by a sleeping process, which every 
 the other user's processes, their files and what they do to the directory stay out of the real ``/dev/shm``, the
 free space is known exactly, and everything goes with the namespace. Steps run as real processes of their user
 (``setpriv``), importing the package on their own; the test reads the namespace's files through
-``/proc/<holder>/root``.
+``/proc/<holder>/root``. A checkout (or its interpreter) in a directory others may not search, a clone in a
+``mktemp -d`` folder or a private home, is opened up to them in that namespace only: see ``OPEN_UP``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,8 +96,57 @@ def _reap(proc: subprocess.Popen[str]) -> tuple[str, str]:
     return proc.communicate(timeout=STEP_TIMEOUT_S)
 
 
+def _unsearchable_dirs(paths: Iterable[Path]) -> list[Path]:
+    """The directories on the way to ``paths`` (them included) that others may not search, outermost first."""
+    found = set()
+    for path in paths:
+        for form in {path.absolute(), path.resolve()}:  # the kernel walks both a symlink's path and its target's
+            for directory in (*reversed(form.parents), form):
+                if not os.stat(directory).st_mode & stat.S_IXOTH:
+                    found.add(directory.resolve())
+    return sorted(found, key=lambda directory: len(directory.parts))
+
+
+# Run as root in the namespace, once per directory of ``_unsearchable_dirs`` (outermost first): covers it with a
+# tmpfs of the same owner and mode plus search by others (o+x; still no listing), with each of its entries put back
+# in place (a bind mount of the original, a copy of a symlink). Nothing on disk changes, every path stays what it
+# was, root's own steps see the same files, and it all goes with the namespace. The other user needs it because
+# setpriv keeps root's capabilities until its exec, so that exec reaches a python under a private directory, but
+# the interpreter it starts may not: a venv whose pyvenv.cfg it cannot read is no venv (no site-packages, no
+# editable install), and the checkout the editable install maps ``ignite_ext`` to is out of reach. An entry that
+# vanishes meanwhile is left out.
+OPEN_UP = """
+import os, stat, subprocess, sys
+for directory in sys.argv[1:]:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)  # the original, still reachable once covered
+    st = os.fstat(fd)
+    mode = stat.S_IMODE(st.st_mode) | stat.S_IXOTH
+    options = f"mode={mode:o},uid={st.st_uid},gid={st.st_gid}"
+    subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", directory], check=True)
+    for entry in os.scandir(fd):
+        path = os.path.join(directory, entry.name)
+        if entry.is_symlink():
+            os.symlink(os.readlink(entry.name, dir_fd=fd), path)
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            os.mkdir(path)
+        else:
+            os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
+        source = f"/proc/self/fd/{fd}/{entry.name}"  # not canonicalized: that would name the covered path again
+        bound = subprocess.run(
+            ["mount", "--no-canonicalize", "--rbind", source, path], pass_fds=[fd], capture_output=True, text=True
+        )
+        if bound.returncode and entry.name in os.listdir(fd):
+            sys.exit(f"cannot bind {path}: {bound.stderr}")
+    os.close(fd)
+"""
+
+
 class PrivateShm:
-    """A private tmpfs on ``/dev/shm`` in a mount namespace of its own, and processes run in it."""
+    """A private tmpfs on ``/dev/shm`` in a mount namespace of its own, and processes run in it.
+
+    In that namespace, the checkout, the venv and the interpreter are reachable by any user (``OPEN_UP``).
+    """
 
     SIZE = 64 << 20
 
@@ -116,6 +166,20 @@ class PrivateShm:
             _, err = _reap(self.holder)
             pytest.skip(f"cannot mount a private /dev/shm in a mount namespace: {err.strip()}")
         self.dir = Path(f"/proc/{self.holder.pid}/root/dev/shm")  # the namespace's /dev/shm, seen from here
+        closed = _unsearchable_dirs([ROOT, Path(sys.prefix), Path(sys.base_prefix)])
+        if closed:
+            opened = subprocess.run(
+                [
+                    *("nsenter", "-t", str(self.holder.pid), "-m", "--"),
+                    *(sys.executable, "-c", OPEN_UP, *map(str, closed)),
+                ],
+                capture_output=True,
+                text=True,
+                timeout=STEP_TIMEOUT_S,
+            )
+            if opened.returncode != 0:
+                _reap(self.holder)
+                pytest.fail(f"cannot open {closed} up to other users in the namespace:\n{opened.stderr[-3000:]}")
 
     def start(self, code: str, *args: str, user: User | None = None) -> subprocess.Popen[str]:
         as_user = [] if user is None else ["setpriv", f"--reuid={user.uid}", f"--regid={user.gid}", "--clear-groups"]
