@@ -35,6 +35,7 @@ from dataclasses import dataclass
 __all__ = [
     "ArchiveError",
     "ChecksumError",
+    "CollectiveError",
     "DownloadError",
     "IgniteExtError",
     "RankDiedError",
@@ -42,6 +43,7 @@ __all__ = [
     "RankFailure",
     "ShmSpaceError",
     "StoreLostError",
+    "rebuilt_error",
 ]
 
 
@@ -179,6 +181,21 @@ class StoreLostError(RankFailedError):
         return type(self), (self.cause, self.context)
 
 
+class CollectiveError(IgniteExtError, RuntimeError):
+    """A collective of the scheduler (a policy's gathers, e.g. ``SharedPath``'s census) failed in the backend.
+
+    Raised only when no rank was found dead within the detection time to explain it; when one was, the ranks raise
+    :class:`RankFailedError` naming the dead instead. The backend's own error is its ``__cause__``.
+
+    Examples:
+        >>> from ignite_ext.errors import CollectiveError
+        >>> issubclass(CollectiveError, RuntimeError)
+        True
+
+    .. versionadded:: 0.3.0
+    """
+
+
 class DownloadError(IgniteExtError, OSError):
     """A download failed: the server refused (404 and other 4xx), or every attempt on every URL failed.
 
@@ -255,3 +272,29 @@ class ShmSpaceError(IgniteExtError, RuntimeError):
 
     .. versionadded:: 0.1.0
     """
+
+
+# The package's errors that keep their type when they travel between ranks by name and message (see rebuilt_error):
+# each can be made from its message alone.
+_REBUILDABLE: dict[str, type[IgniteExtError]] = {
+    f"{cls.__module__}.{cls.__qualname__}": cls for cls in (ArchiveError, ChecksumError, DownloadError, ShmSpaceError)
+}
+
+
+def rebuilt_error(name: str, message: str) -> IgniteExtError | None:
+    """The package's error called ``name`` (``module.QualName``) made anew from ``message``, or None if none is.
+
+    How an error raised on one rank is raised with its own type on the others (:func:`ignite_ext.distributed.agree`),
+    without the distributed layer knowing the data layer's errors: they travel by name and message.
+
+    Examples:
+        >>> from ignite_ext.errors import rebuilt_error
+        >>> rebuilt_error("ignite_ext.errors.ShmSpaceError", "no room")
+        ShmSpaceError('no room')
+        >>> rebuilt_error("builtins.KeyError", "x") is None
+        True
+
+    .. versionadded:: 0.3.0
+    """
+    cls = _REBUILDABLE.get(name)
+    return None if cls is None else cls(message)

@@ -95,6 +95,36 @@ def test_layering_rules_hold() -> None:
     assert violations() == []
 
 
+def import_cycles(package: str) -> list[list[str]]:
+    """The import circles among the modules of ``package`` (every import counts, those inside functions too)."""
+    modules = {_module_name(p): p for p in _sources(PACKAGE) if _module_name(p).startswith(package)}
+    edges: dict[str, set[str]] = {}
+    for me, path in modules.items():
+        targets = {t for t in imports(path) if t in modules and t != me}
+        # ``from a import b`` names both a and a.b: where a.b is a module, the edge goes to it alone.
+        edges[me] = {t for t in targets if not any(o.startswith(t + ".") and o in targets for o in targets)}
+    cycles: list[list[str]] = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(edges[node]):
+            if state.get(nxt) == 1:
+                cycles.append([*path[path.index(nxt) :], nxt])
+            elif nxt not in state:
+                visit(nxt, [*path, nxt])
+        state[node] = 2
+
+    for module in sorted(modules):
+        if module not in state:
+            visit(module, [module])
+    return cycles
+
+
+def test_the_distributed_package_has_no_import_circle() -> None:
+    assert import_cycles("ignite_ext.distributed") == []
+
+
 def test_the_checker_sees_a_violation(tmp_path: Path) -> None:
     # The rules must be able to fail: a distributed module importing data, and a private cross-package import.
     bad = PACKAGE / "distributed" / "_layering_probe.py"

@@ -16,14 +16,16 @@ from ignite.distributed import *  # noqa: F403
 # exported through the star import above; name it explicitly (it is the very same class).
 from ignite.distributed.launcher import Parallel as Parallel
 
-from ignite_ext.distributed import _aliases, _heartbeat
+from ignite_ext.distributed import _aliases
 from ignite_ext.distributed.agreement import agree
-from ignite_ext.distributed.errors import RankDiedError, RankFailedError, RankFailure, StoreLostError
+from ignite_ext.distributed.errors import CollectiveError, RankDiedError, RankFailedError, RankFailure, StoreLostError
+from ignite_ext.distributed.liveness import watch_for_groups as _watch_for_groups
 from ignite_ext.distributed.policies import Comm, MasterFirst, Ordered, Plan, Policy, Turn, World
 from ignite_ext.distributed.schedule import one_rank_first, rank_scheduler
 from ignite_ext.distributed.shared_path import SharedPath
 
 __all__ = [
+    "CollectiveError",
     "Comm",
     "MasterFirst",
     "Ordered",
@@ -47,6 +49,6 @@ __all__ += sorted(n for n in dir(_ignite_distributed) if not n.startswith("_") a
 # module of this package (ignite's names with the failure-safe one_rank_first).
 _aliases.install()
 # A rank beats from the moment its process group exists, so that dying before its first block is noticed.
-_heartbeat.watch_for_groups()
+_watch_for_groups()
 # ``from ignite.distributed import *`` bound ignite's utils here: a plain ``from . import utils`` would return it.
 utils = _importlib.import_module(f"{__name__}.utils")

@@ -20,27 +20,17 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 
-import ignite.distributed as idist
-
-from ignite_ext.distributed._state import GroupState
-from ignite_ext.distributed._store import Store, default_store
 from ignite_ext.distributed.policies import Plan
-from ignite_ext.errors import RankFailure
+from ignite_ext.errors import RankFailedError, RankFailure
 
 __all__ = [
     "Channel",
     "decode_failures",
     "encode_failures",
-    "env_float",
-    "heartbeat_timeout",
     "log",
-    "log_interval",
-    "make_channel",
-    "scheduler_store",
 ]
 
 _LOGGER_NAME = "ignite_ext.distributed"
@@ -60,32 +50,15 @@ def log() -> logging.Logger:
     return logger
 
 
-def env_float(name: str, default: float) -> float:
-    """The number in environment variable ``name``, or ``default`` when it is unset or not a number."""
-    try:
-        return float(os.environ.get(name, default))
-    except ValueError:
-        return default
-
-
-def heartbeat_timeout() -> float:
-    """Seconds without a heartbeat after which a rank counts as dead (``IGNITE_EXT_HEARTBEAT_TIMEOUT``)."""
-    return env_float("IGNITE_EXT_HEARTBEAT_TIMEOUT", 30.0)
-
-
-def log_interval() -> float:
-    """Seconds between two "still waiting" log lines (``IGNITE_EXT_WAIT_LOG_INTERVAL``)."""
-    return env_float("IGNITE_EXT_WAIT_LOG_INTERVAL", 30.0)
-
-
 def encode_failures(failures: Iterable[RankFailure]) -> bytes:
     """The failures a rank reports, as the bytes other ranks read (ASCII JSON)."""
     return json.dumps([[f.rank, f.exc_type, f.message, f.died] for f in failures]).encode()
 
 
 def decode_failures(payload: bytes) -> list[RankFailure]:
-    """The failures in ``payload`` (see :func:`encode_failures`)."""
-    return [RankFailure(int(r), str(t), str(m), bool(d)) for r, t, m, d in json.loads(payload.decode())]
+    """The failures in ``payload`` (see :func:`encode_failures`); a line after it (who wrote it) is ignored."""
+    text = payload.split(b"\n", 1)[0].decode()
+    return [RankFailure(int(r), str(t), str(m), bool(d)) for r, t, m, d in json.loads(text)]
 
 
 class Channel(ABC):
@@ -110,37 +83,13 @@ class Channel(ABC):
     def wait_turn(self) -> list[RankFailure]:
         """Block until this rank may run; return the failures it inherits (then it must not run)."""
 
+    def explain(self, exc: BaseException) -> RankFailedError | None:
+        """The ranks' failure that explains ``exc``, a collective of the plan that failed, or None if none does."""
+        return None
+
     @abstractmethod
     def leave(self, own: list[RankFailure], inherited: list[RankFailure], linger: bool = True) -> list[RankFailure]:
         """Report this rank's outcome; unless it failed, wait for everyone and return every original failure.
 
         ``linger=False`` (a rank that timed out) leaves as soon as its outcome is posted.
         """
-
-
-def scheduler_store() -> Store | None:
-    """The store the store channel uses here, or None where the collective channel runs.
-
-    Native backends: the process group's store. Horovod and XLA: the side-channel store of
-    :mod:`ignite_ext.distributed._side_store` (made by every rank together on the first call).
-    """
-    if os.environ.get("IGNITE_EXT_SCHEDULER_CHANNEL", "").lower() == "collective":
-        return None
-    if idist.model_name() != "native-dist":
-        from ignite_ext.distributed._side_store import side_store
-
-        return side_store()
-    return default_store()
-
-
-def make_channel(
-    store: Store | None, state: GroupState, rank: int, world_size: int, label: str, timeout: float | None, seq: int
-) -> Channel:
-    """The store channel when ``store`` is given, the collective one otherwise."""
-    if store is None:
-        from ignite_ext.distributed._collective import CollectiveChannel
-
-        return CollectiveChannel(rank, world_size, label, timeout)
-    from ignite_ext.distributed._store_channel import StoreChannel
-
-    return StoreChannel(rank, world_size, label, timeout, store, seq, state)

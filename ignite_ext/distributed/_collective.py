@@ -1,6 +1,6 @@
-"""Backend-agnostic collectives built only on ``idist.all_gather`` of tensors (NCCL, Gloo, Horovod, XLA).
+"""The policies' :class:`~ignite_ext.distributed.Comm` and the scheduler's collective channel.
 
-Also the scheduler's collective channel, built on them (see :mod:`ignite_ext.distributed._channel`).
+Both run on the gathers of :mod:`ignite_ext.distributed._gather` (see :mod:`ignite_ext.distributed._channel`).
 
 .. versionadded:: 0.1.0
 """
@@ -11,42 +11,12 @@ import pickle
 from collections.abc import Callable
 from typing import Any
 
-import ignite.distributed as idist
-import torch
-
 from ignite_ext.distributed._channel import Channel, decode_failures, encode_failures
+from ignite_ext.distributed._gather import all_gather_bytes, all_gather_rows
 from ignite_ext.distributed.policies import Comm, Plan
-from ignite_ext.errors import RankFailure
+from ignite_ext.errors import CollectiveError, RankFailure
 
-__all__ = ["CollectiveChannel", "IdistComm", "all_gather_bytes", "all_gather_rows"]
-
-
-def all_gather_rows(row: list[int]) -> list[list[int]]:
-    """Gather one small row of integers from every rank, in one collective.
-
-    Keep the values below 2**24: some backends (XLA) run collectives in float32.
-    """
-    if idist.get_world_size() == 1:
-        return [list(row)]
-    t = torch.tensor([row], dtype=torch.int64, device=idist.device())
-    gathered = idist.all_gather(t)
-    assert isinstance(gathered, torch.Tensor)
-    return [[int(v) for v in r] for r in gathered.cpu().tolist()]
-
-
-def all_gather_bytes(data: bytes) -> list[bytes]:
-    """Gather a byte string of any length from every rank (two collectives: lengths, then padded bytes)."""
-    if idist.get_world_size() == 1:
-        return [data]
-    lengths = [r[0] for r in all_gather_rows([len(data)])]
-    width = max(1, max(lengths))
-    buf = torch.zeros((1, width), dtype=torch.uint8)
-    if data:
-        buf[0, : len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    gathered = idist.all_gather(buf.to(idist.device()))
-    assert isinstance(gathered, torch.Tensor)
-    rows = gathered.to("cpu", torch.uint8)
-    return [bytes(rows[r, : lengths[r]].tolist()) for r in range(len(lengths))]
+__all__ = ["CollectiveChannel", "IdistComm"]
 
 
 class IdistComm(Comm):
@@ -54,7 +24,13 @@ class IdistComm(Comm):
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Return every rank's ``obj``, pickled through :func:`all_gather_bytes`."""
-        return [pickle.loads(b) for b in all_gather_bytes(pickle.dumps(obj))]
+        try:
+            blobs = all_gather_bytes(pickle.dumps(obj))
+        except RuntimeError as exc:  # gloo's "Connection closed by peer", NCCL's errors, a timeout
+            # A peer died or was cut off, or the collective timed out: the scheduler asks its channel what explains
+            # it (Channel.explain), the dead ranks' cut when there is one.
+            raise CollectiveError(f"a gather of the plan failed in the backend: {exc}") from exc
+        return [pickle.loads(b) for b in blobs]
 
 
 _OK, _FAILED, _SKIPPED = 0, 1, 2

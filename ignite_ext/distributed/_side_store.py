@@ -30,8 +30,9 @@ from typing import TYPE_CHECKING, Any
 import ignite.distributed as idist
 import ignite.distributed.utils as idist_utils
 
-from ignite_ext.distributed._channel import env_float, log
+from ignite_ext.distributed._channel import log
 from ignite_ext.distributed._store import Store
+from ignite_ext.distributed.liveness.settings import env_float
 
 if TYPE_CHECKING:  # as Store: declared in the stub of torch's extension, exported by torch.distributed
     from torch._C._distributed_c10d import TCPStore

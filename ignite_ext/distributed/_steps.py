@@ -23,6 +23,9 @@ from typing import Any
 
 __all__ = ["Watchdog", "store_port", "watchdog", "watchdog_enabled"]
 
+# How late the watchdog thread may wake before it takes the delay for a stop of the process, not of the store.
+_LATE_S = 0.5
+
 
 def store_port(store: Any) -> int | None:
     """The TCP port of the server behind ``store`` (through prefix stores), or None if it is not a TCPStore.
@@ -116,6 +119,18 @@ class Watchdog:
                 return True
             return False
 
+    def _forgive(self, late: float) -> None:
+        """Move every deadline on by ``late`` seconds when this thread woke that late (called with the lock held).
+
+        A thread that wakes seconds after its time was not running: the process was stopped (SIGSTOP, a debugger)
+        or starved of CPU. Its stores had no chance to answer meanwhile, so that time does not count against them;
+        a rank stopped for long has been declared dead by the others, and learns that from its next beat instead of
+        taking the store for lost.
+        """
+        if late > _LATE_S:
+            for token, (deadline, port) in self._armed.items():
+                self._armed[token] = (deadline + late, port)
+
     def _run(self) -> None:
         while True:
             with self._cond:
@@ -129,6 +144,7 @@ class Watchdog:
                 if not overdue:
                     self._sleeps_until = min((d for d, _ in self._armed.values()), default=now + 3600.0)
                     self._cond.wait(max(0.01, self._sleeps_until - now))
+                    self._forgive(time.monotonic() - max(now, self._sleeps_until))
                     continue
             for port in {port for _, port in overdue}:
                 for fd in _sockets_to(port):

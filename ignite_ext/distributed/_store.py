@@ -9,6 +9,12 @@ Every key lives under ``ignite_ext/``; this module is the only place that spells
 
     key                                  written by              deleted                          size
     ignite_ext/hb/<rank>                 rank's heartbeat thread never (one per rank per store)   counter
+                                         (add; its watcher adds 0
+                                         to create it)
+    ignite_ext/cuts                      whoever posts a cut     never (one per store)            counter
+                                         (compare_set i-1 -> i)
+    ignite_ext/cut/<i>                   the first proposer of   never (a few per failed job)     cut text
+                                         cut i, once
     ignite_ext/sched/<seq>/entry/<rank>  rank, on entering       by rank, after block seq+1's verdict   entry JSON
     ignite_ext/sched/<seq>/entered       every rank (add)        by rank 0, idem                  counter
     ignite_ext/sched/<seq>/verdict       rank 0                  by rank 0, idem                  verdict JSON
@@ -36,6 +42,8 @@ every rank entered it, which proves every rank left block ``seq``. So at most tw
 
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch declares it in the stub of its extension, and exports it as torch.distributed.Store
@@ -43,7 +51,20 @@ if TYPE_CHECKING:  # torch declares it in the stub of its extension, and exports
 else:
     from torch.distributed import Store
 
-__all__ = ["BlockKeys", "Store", "default_store", "heartbeat_key", "put", "put_once", "read"]
+__all__ = [
+    "CUTS_KEY",
+    "BlockKeys",
+    "Store",
+    "client_of_this_thread",
+    "clone",
+    "cut_key",
+    "default_store",
+    "forget_client_of_this_thread",
+    "heartbeat_key",
+    "put",
+    "put_once",
+    "read",
+]
 
 _ROOT = "ignite_ext"
 
@@ -59,6 +80,23 @@ def heartbeat_key(rank: int) -> str:
     .. versionadded:: 0.2.0
     """
     return f"{_ROOT}/hb/{rank}"
+
+
+#: How many cuts (ranks declared dead together) the group has: see :mod:`ignite_ext.distributed.liveness`.
+CUTS_KEY = f"{_ROOT}/cuts"
+
+
+def cut_key(index: int) -> str:
+    """The ranks of the group's ``index``-th cut (1-based), written once by the first rank that proposed it.
+
+    Examples:
+        >>> from ignite_ext.distributed._store import cut_key
+        >>> cut_key(1)
+        'ignite_ext/cut/1'
+
+    .. versionadded:: 0.3.0
+    """
+    return f"{_ROOT}/cut/{index}"
 
 
 class BlockKeys:
@@ -168,3 +206,44 @@ def put_once(store: Store, key: str, value: bytes) -> bool:
     .. versionadded:: 0.2.0
     """
     return bytes(store.compare_set(key, "", value)) == value  # type: ignore[arg-type]
+
+
+def clone(store: Store) -> Store:
+    """A client of its own to ``store`` (a blocked ``wait`` holds its client's lock), or ``store`` itself.
+
+    .. versionadded:: 0.3.0
+    """
+    try:
+        return store.clone()  # type: ignore[attr-defined,no-any-return]
+    except (AttributeError, RuntimeError):  # a store that cannot be cloned (HashStore): share it
+        return store
+
+
+_THREAD_CLIENTS = threading.local()
+
+
+def _clients_of_this_thread() -> weakref.WeakKeyDictionary[Store, Store]:
+    clients: weakref.WeakKeyDictionary[Store, Store] | None = getattr(_THREAD_CLIENTS, "clients", None)
+    if clients is None:
+        clients = _THREAD_CLIENTS.clients = weakref.WeakKeyDictionary()
+    return clients
+
+
+def client_of_this_thread(store: Store) -> Store:
+    """This thread's own client of ``store``, so that other threads' requests never wait behind its waits.
+
+    .. versionadded:: 0.3.0
+    """
+    clients = _clients_of_this_thread()
+    client = clients.get(store)
+    if client is None:
+        client = clients[store] = clone(store)
+    return client
+
+
+def forget_client_of_this_thread(store: Store) -> None:
+    """Drop this thread's client of ``store`` (a call of it is stuck): the next block clones a new one.
+
+    .. versionadded:: 0.3.0
+    """
+    _clients_of_this_thread().pop(store, None)

@@ -7,25 +7,18 @@ See :mod:`ignite_ext.distributed._channel` for the protocol and :mod:`ignite_ext
 entered (rank 0's key), rank 0 posting the verdict (every other rank's keys, one ``multi_set``), a rank posting
 its outcome (the keys of the ranks whose turn comes after it), the rank whose exit makes every rank left (every
 key). Its own heartbeat thread sets it too, once a slice (the log interval, with jitter) is over, so that the
-waiter checks its timeout and logs, and at once when the ring successor has fallen silent. A waiter always reads
-its condition after deleting its wake key, so no wake-up is ever lost. A wait therefore costs three requests per
-slice whatever its length, and a waiter is told within a fraction of a millisecond.
+waiter checks its timeout and logs, and at once when the group has a new cut (ranks declared dead). A waiter
+always reads its condition after deleting its wake key, so no wake-up is ever lost. A wait therefore costs three
+requests per slice whatever its length, and a waiter is told within a fraction of a millisecond.
 
-**Liveness.** Every process beats ``ignite_ext/hb/<rank>`` from a daemon thread on its own store client (a blocked
-``wait`` holds its client's lock), every sixth of the heartbeat timeout ``T``, from the moment its process group
-exists (:func:`~ignite_ext.distributed._heartbeat.watch_for_groups`). A beat writes ``<count>|<count of the
-successor>``: the beat number, and the beat number of rank ``rank + 1`` as last seen. So the heartbeat thread
-reads the ring successor's beat anyway, and a waiter uses that view (:meth:`Heartbeat.view_of`) with no request
-of its own; past a successor declared dead it reads the next rank's beat itself, once a slice (then ``T/3``).
-``T`` seconds without a change and the successor is declared dead, exactly once (``compare_set`` of its
-outcome), and so is every rank after it that beat at most twice after the dead rank last saw it (alive, it would
-have beaten about six times since), at once, in one pass, each outcome naming all of them: a lost node's ranks are
-all reported within ``T`` plus two beats (``4/3 T``), not one timeout each. A rank found dead after posting its
-outcome is declared too (see :meth:`StoreChannel._lost_leaving`); whoever declares a dead rank wakes the ranks
-waiting for it, since it may have died before it could. A rank is only mistaken for dead when its beat thread
-cannot run for ``5/6 T`` (25 s at the default): CPython hands the GIL to another thread every 5 ms unless a C
-extension holds it that long. A rank that never beat (its process group is not up yet) cannot be told dead from
-late, and is not declared.
+**Liveness.** Which ranks are dead is decided by :mod:`ignite_ext.distributed.liveness`, once for the group: a
+*cut*, the same set on every rank, within ``4/3 T`` of the deaths whatever their number and pattern. A waiter woken
+by a new cut declares its ranks dead in its block (:meth:`StoreChannel._declare_cuts`, no request but those of the
+declaring): at the entry, the verdict says so and every rank raises; in the plan, each dead rank's outcome is
+posted as its death (``compare_set``: exactly one rank counts its exit), naming the whole cut, and its dependents
+are woken. A rank found dead after posting its outcome is declared too (see :meth:`StoreChannel._lost_leaving`).
+A rank that finds itself in a cut (it was paused or cut off for longer than ``T``) raises ``RankDiedError`` at its
+next step: the others have given up on it.
 
 **A silent store.** Each step (entry, wait, leave) is armed on the process's watchdog (:meth:`StoreChannel._step`,
 :mod:`ignite_ext.distributed._steps`), which shuts down the connections to the store when a request is ``T``
@@ -42,6 +35,8 @@ guide); per beat 2 requests; rank 0 additionally reads the N entries (one ``mult
 
 from __future__ import annotations
 
+import contextlib
+import random
 import time
 from collections.abc import Callable, Iterable
 from datetime import timedelta
@@ -49,26 +44,20 @@ from typing import TypeVar
 
 import torch.distributed
 
-from ignite_ext.distributed._channel import (
-    Channel,
-    decode_failures,
-    encode_failures,
-    heartbeat_timeout,
-    log,
-    log_interval,
-)
-from ignite_ext.distributed._heartbeat import (
-    Heartbeat,
-    Lingering,
-    Watch,
-    client_of_this_thread,
-    forget_client_of_this_thread,
-    slice_seconds,
-    stopped_with,
-)
+from ignite_ext.distributed._channel import Channel, decode_failures, encode_failures, log
+from ignite_ext.distributed._lingering import Lingering
 from ignite_ext.distributed._state import GroupState
 from ignite_ext.distributed._steps import store_port, watchdog, watchdog_enabled
-from ignite_ext.distributed._store import BlockKeys, Store, heartbeat_key, put, put_once, read
+from ignite_ext.distributed._store import (
+    BlockKeys,
+    Store,
+    client_of_this_thread,
+    forget_client_of_this_thread,
+    put,
+    put_once,
+    read,
+)
+from ignite_ext.distributed.liveness import Cut, Heartbeat, beat_interval, heartbeat_timeout, log_interval
 from ignite_ext.distributed.policies import Plan
 from ignite_ext.errors import RankDiedError, RankFailedError, RankFailure, StoreLostError
 
@@ -89,6 +78,33 @@ _COMPLETE = 1 << 52
 _DEATH_ENTERED = 1 << 32
 # With timeout=, how long past it a protocol step may still take before the store counts as unreachable.
 _STORE_GRACE_S = 2.0
+
+
+def slice_seconds() -> float:
+    """How long one wait lasts before the waiter checks its timeout and logs: the log interval, with 10 % jitter.
+
+    Many waits expiring together return late on the libuv server: the jitter spreads them.
+
+    Examples:
+        >>> from ignite_ext.distributed._store_channel import slice_seconds
+        >>> 27.0 <= slice_seconds() <= 33.0
+        True
+    """
+    return max(0.05, log_interval()) * random.uniform(0.9, 1.1)
+
+
+def _failures_of(cuts: list[Cut]) -> list[RankFailure]:
+    """Each rank of ``cuts`` as a death, with its cut's message (the same bytes on every rank)."""
+    return [RankFailure(r, _DIED, cut.message(), died=True) for cut in cuts for r in cut.ranks]
+
+
+def _one_per_rank(failures: list[RankFailure]) -> list[RankFailure]:
+    """One failure per rank, sorted by rank (a rank's death may reach this rank by two ways, worded apart)."""
+    return sorted({f.rank: f for f in reversed(failures)}.values(), key=lambda f: f.rank)
+
+
+def _ranks(cuts: list[Cut]) -> list[int]:
+    return sorted(r for cut in cuts for r in cut.ranks)
 
 
 class StoreChannel(Channel):
@@ -112,8 +128,7 @@ class StoreChannel(Channel):
         # Blocking waits hold a client's lock: this thread's own client, so other threads' store calls never wait.
         self.client = self._guarded(lambda: client_of_this_thread(store))
         self.dead: set[int] = set()  # ranks this rank knows died in this block
-        self._watches: dict[int, Watch] = {}  # successors whose beats this rank reads itself (past dead ranks)
-        self._reads_successor = False
+        self._cuts_seen = 0  # the group's cuts this rank has declared in this block
         self._dependents: list[list[int]] = [[] for _ in range(world_size)]
         self._started = time.monotonic()
         self._port = store_port(self.client)  # None: not a TCPStore, nothing to watch (see _step)
@@ -184,7 +199,7 @@ class StoreChannel(Channel):
             watchdog().extend(self._token, min(time.monotonic() + seconds + heartbeat_timeout(), self._ends_at))
 
     def _wait(self, ready: Callable[[], T | None], what: str, checked: bool = False, known: T | None = None) -> T:
-        """Block until ``ready`` returns a value; one store wait per slice; liveness between slices; time out.
+        """Block until ``ready`` returns a value; one store wait per slice; cuts declared between slices; time out.
 
         ``checked``: the caller has just learnt what ``ready`` would return, ``known`` (no request then).
         """
@@ -193,10 +208,7 @@ class StoreChannel(Channel):
             return value
         start = logged = time.monotonic()
         wake = self.keys.wake(self.rank)
-        declared = self._check_successor()  # a first look at once
         while True:
-            if declared and (value := ready()) is not None:  # what this rank posted may be what it waits for
-                return value
             now = time.monotonic()
             left = self._bounded()
             if left is not None and left <= 0:
@@ -204,10 +216,17 @@ class StoreChannel(Channel):
             if now - logged >= 0.9 * log_interval():  # at a slice's end, about once a log interval
                 log().info("rank %d has waited %.0f s for %s (%s)", self.rank, now - start, what, self.label)
                 logged = now
-            seconds = slice_seconds(heartbeat_watches=not self._reads_successor)
+            seconds = slice_seconds()
             if left is not None:
                 seconds = max(0.01, min(seconds, left))
+            # The tick first, then the look at the cuts: a cut the heartbeat thread adopts after the look sets the
+            # wake key (it wakes every ticked waiter), so none is missed.
             self.heartbeat.tick(wake, seconds)
+            if self._declare_cuts():
+                self.heartbeat.untick(wake)
+                if (value := ready()) is not None:  # what this rank posted may be what it waits for
+                    return value
+                continue
             wait_s = seconds + max(5.0, seconds)
             self._expect_answer_within(wait_s)
             try:
@@ -222,77 +241,89 @@ class StoreChannel(Channel):
             self.client.delete_key(wake)
             if (value := ready()) is not None:
                 return value
-            declared = self._check_successor()
 
     # --- liveness ------------------------------------------------------------------------------------------------
 
-    def _next(self, rank: int) -> int:
-        return (rank + 1) % self.world_size
+    def _declared_dead(self) -> RankDiedError:
+        return RankDiedError(
+            [RankFailure(self.rank, _DIED, "declared dead by its peers after its heartbeat stopped", died=True)],
+            f"rank {self.rank} ({self.label})",
+        )
 
-    def _check_successor(self) -> bool:
-        """Look at the ring successor's beat; declare it, and the dead run of ranks after it, dead after ``T``.
+    def explain(self, exc: BaseException) -> RankFailedError | None:
+        """Wait for the cut that explains a failed collective: a peer that died makes the others' collectives fail.
+
+        Bounded by the detection time (``4/3 T`` from the death, which came before the failure) and a beat; None
+        when no rank is found dead by then (the collective failed for another reason).
+        """
+        return self._step(lambda: self._explain())
+
+    def _explain(self) -> RankFailedError | None:
+        wake, ends = self.keys.wake(self.rank), time.monotonic() + 4 / 3 * heartbeat_timeout() + beat_interval()
+        while True:
+            if cuts := self.heartbeat.cuts():
+                self._check_not_declared()
+                return RankFailedError(_failures_of(cuts), f"rank {self.rank} planning ({self.label})")
+            left = ends - time.monotonic()
+            if left <= 0:
+                return None
+            self.heartbeat.tick(wake, left)  # ended at once by a cut: the heartbeat thread wakes ticked waiters
+            if not self.heartbeat.cuts():
+                self._expect_answer_within(left + 5.0)
+                with contextlib.suppress(torch.distributed.DistStoreError):
+                    self.client.wait([wake], timedelta(seconds=left + 5.0))
+            self.heartbeat.untick(wake)
+            self.client.delete_key(wake)
+
+    def _check_not_declared(self) -> None:
+        if any(self.rank in cut.ranks for cut in self.heartbeat.cuts()):
+            raise self._declared_dead()
+
+    def _declare_cuts(self) -> bool:
+        """Declare in this block the ranks of the group's cuts this rank has not declared yet (no request if none).
 
         Returns:
-            Whether it found ranks dead.
+            Whether there were any.
+
+        Raises:
+            RankDiedError: this rank is in a cut (it was paused or cut off for longer than the heartbeat timeout):
+                the others have given up on it, so it must not carry on.
         """
-        succ = self._next(self.rank)
-        while succ in self.dead and succ != self.rank:
-            succ = self._next(succ)
-        if succ == self.rank:
+        cuts = self.heartbeat.cuts()
+        if len(cuts) <= self._cuts_seen:
             return False
-        # The heartbeat thread reads the successor's beat at each beat anyway, and wakes the waiters when it falls
-        # silent: no request. Past a dead rank (or with the thread behind), read it, once a slice.
-        view = self.heartbeat.view_of(succ)
-        self._reads_successor = view is None
-        if view is None:
-            if succ not in self._watches:
-                self._watches[succ] = self.heartbeat.watch_of(succ)
-            watch = self._watches[succ]
-            beat = read(self.client, heartbeat_key(succ))
-            silent = watch.observe(beat, time.monotonic())
-        else:
-            beat, silent = view
-        if beat is None or silent <= heartbeat_timeout():
-            return False  # alive, or never beat (not started yet: cannot be told from late)
-        victims, last = [succ], beat
-        nxt = self._next(succ)
-        while nxt != self.rank and nxt not in self.dead:
-            # The dead rank's last beat says how far its successor had beaten. Alive, the successor would have beaten
-            # about 6 times since (the dead rank has been silent for T); at most twice more (ranks of a lost node
-            # die within a beat or two of each other on a loaded host), it died with it.
-            now_beat = read(self.client, heartbeat_key(nxt))
-            if now_beat is None or not stopped_with(now_beat, last):
-                break
-            victims.append(nxt)
-            last, nxt = now_beat, self._next(nxt)
-        # The noticing rank is part of each message so that two ranks declaring the same death write different
-        # payloads, and compare_set tells exactly one of them that it won.
-        failures = [
-            RankFailure(
-                v, _DIED, f"no heartbeat for {silent:.0f} s, noticed by rank {self.rank} (killed or hung)", True
-            )
-            for v in victims
-        ]
+        if any(self.rank in cut.ranks for cut in cuts):
+            raise self._declared_dead()
         if not self.plan.turns:  # still at the entry: nobody has run anything, so everyone just stops
-            if put_once(self.client, self.keys.verdict, _DEATH_VERDICT + encode_failures(failures)):
-                log().warning(
-                    "rank %d: declaring ranks %s dead at the entry (%s)", self.rank, victims, failures[0].message
-                )
-                self.dead.update(victims)
+            failures = _failures_of(cuts)
+            verdict = _DEATH_VERDICT + encode_failures(failures) + b"\n%d" % self.rank  # the noticer: one winner
+            if put_once(self.client, self.keys.verdict, verdict):
+                log().warning("rank %d: ranks %s dead at the entry (%s)", self.rank, _ranks(cuts), cuts[0].message())
                 self.client.add(self.keys.entered, _DEATH_ENTERED)  # rank 0's one read then tells it
                 self._wake_all()
-            # Else a verdict came first (rank 0 may have died after posting it, before waking anyone): this rank
-            # reads it, and declares the dead ranks in the plan's waits, where their outcomes are posted.
+            elif not bytes(self.client.get(self.keys.verdict)).startswith(_DEATH_VERDICT):
+                # Rank 0 judged first (it may have died after posting the verdict, before waking anyone): the dead
+                # ranks are declared in the plan's waits, where their outcomes are posted.
+                return True
+            self._cuts_seen = len(cuts)
             return True
-        self.dead.update(victims)
-        for failure in failures:
-            self._declare_dead(failure, failures, silent)
+        for cut in cuts[self._cuts_seen :]:
+            failures = _failures_of([cut])
+            for failure in failures:
+                if failure.rank not in self.dead:
+                    self.dead.add(failure.rank)
+                    self._declare_dead(failure, failures, cut.silent_s)
+        self._cuts_seen = len(cuts)
         return True
 
     def _declare_dead(self, failure: RankFailure, together: list[RankFailure], silent_for: float) -> None:
-        """Post ``failure.rank``'s outcome as its death; those waiting for it learn of all who died ``together``."""
+        """Post ``failure.rank``'s outcome as its death; those waiting for it learn of all who died ``together``.
+
+        The outcome ends with the declaring rank, so that of several ranks declaring the same death exactly one
+        is told by ``compare_set`` that it won.
+        """
         peer = failure.rank
-        if put_once(self.client, self.keys.outcome(peer), encode_failures(together)):
+        if put_once(self.client, self.keys.outcome(peer), encode_failures(together) + b"\n%d" % self.rank):
             log().warning("rank %d: declaring rank %d dead (%s)", self.rank, peer, failure.message)
             self._record_exit([failure])
             self._wake(self._dependents[peer])
@@ -301,24 +332,23 @@ class StoreChannel(Channel):
             return
         posted = decode_failures(self.client.get(self.keys.outcome(peer)))
         if not any(f.rank == peer and f.died for f in posted):
-            self._lost_leaving(peer, silent_for)
+            self._lost_leaving(failure, silent_for)
 
-    def _lost_leaving(self, peer: int, silent_for: float) -> None:
-        """``peer`` died after posting its outcome: maybe before counting its exit, which everyone waits for.
+    def _lost_leaving(self, death: RankFailure, silent_for: float) -> None:
+        """``death.rank`` died after posting its outcome: maybe before counting its exit, which everyone waits for.
 
         Nobody can tell whether that count happened, so its failure is recorded without an exit and ``exits``
         gets :data:`_LOST`. From then on, whoever finds every outcome posted (this rank now, or each rank as it
         counts its own exit) ends the block for all: ``exits`` gets :data:`_COMPLETE` once. The rank whose
         exit is the last one to come always finds that, since every rank posts its outcome before counting.
         """
-        client, keys = self.client, self.keys
+        client, keys, peer = self.client, self.keys, death.rank
         if not put_once(client, keys.lost(peer), b"1"):
             return  # another rank found it first
         failure = RankFailure(
             peer,
             _DIED,
-            f"no heartbeat for {silent_for:.0f} s after it finished its block, noticed by rank {self.rank} "
-            "(killed or hung while leaving)",
+            f"{death.message} after it finished its block (killed or hung while leaving)",
             died=True,
         )
         log().warning("rank %d: declaring rank %d dead (%s)", self.rank, peer, failure.message)
@@ -326,10 +356,27 @@ class StoreChannel(Channel):
         index = client.add(keys.nfail, 1)
         put(client, keys.fail(index), encode_failures([failure]))
         self.state.carried.setdefault(self.seq, []).extend([keys.fail(index), keys.lost(peer)])
-        client.add(keys.exits, _LOST)
         if peer != 0:
             self._ack()
-        self._complete_if_over()
+        if self._mark_lost():
+            self._complete_if_over()
+
+    def _mark_lost(self) -> bool:
+        """Add :data:`_LOST` to ``exits``, unless every rank has left already; True when it did.
+
+        Every exit counted means the dead rank's too: the block is over for everyone, and a loss added now would
+        make the ranks that read ``exits`` after it report a failure that those that read it before did not. So the
+        check and the addition are one ``compare_set``. (A failure record this rank wrote meanwhile is never read:
+        with no loss counted, the ranks read as many records as failed exits.)
+        """
+        exits = int(self.client.add(self.keys.exits, 0))
+        while self._left(exits) is None:
+            marked = str(exits + _LOST).encode()
+            now = bytes(self.client.compare_set(self.keys.exits, str(exits), marked))  # type: ignore[arg-type]
+            if now == marked:  # this rank's, or another loss's of the same moment: either way, marked
+                return True
+            exits = int(now)
+        return False
 
     def _complete_if_over(self) -> bool:
         """After a loss: end the block for everyone if every rank has posted its outcome (one O(N) check).
@@ -370,15 +417,17 @@ class StoreChannel(Channel):
         marked = b"%d\n" % self.state.low_water + mine
         verdict = self._step(lambda: self._exchange(marked, judge_marked))
         if verdict.startswith(_DEATH_VERDICT):
-            raise RankFailedError(
-                decode_failures(verdict[len(_DEATH_VERDICT) :]), f"rank {self.rank} waiting at the entry ({self.label})"
-            )
+            dead = decode_failures(verdict[len(_DEATH_VERDICT) :])
+            if any(f.rank == self.rank for f in dead):
+                raise self._declared_dead()
+            raise RankFailedError(dead, f"rank {self.rank} waiting at the entry ({self.label})")
         mark, verdict = verdict.split(b"\n", 1)
         self._forget(int(mark))
         return verdict
 
     def _exchange(self, mine: bytes, judge: Callable[[list[bytes]], bytes]) -> bytes:
         client, keys = self.client, self.keys
+        self._check_not_declared()
         put(client, keys.entry(self.rank), mine)
         entered = int(client.add(keys.entered, 1))
         if entered == self.world_size and self.rank != 0:
@@ -436,14 +485,12 @@ class StoreChannel(Channel):
             key = self.keys.outcome(peer)
             outcome = self._wait(lambda k=key: read(self.client, k), f"rank {peer}")  # type: ignore[misc]
             inherited += decode_failures(outcome)
-        return sorted(set(inherited), key=lambda f: f.rank)
+        return _one_per_rank(inherited)
 
     def _leave(self, own: list[RankFailure], inherited: list[RankFailure], linger: bool) -> list[RankFailure]:
+        self._check_not_declared()
         if not put_once(self.client, self.keys.outcome(self.rank), encode_failures(own or inherited)):
-            raise RankDiedError(
-                [RankFailure(self.rank, _DIED, "declared dead by its peers after its heartbeat stopped", died=True)],
-                f"rank {self.rank}",
-            )
+            raise self._declared_dead()
         exits = self._record_exit(own)
         self._wake(self._dependents[self.rank])
         found = own + inherited
@@ -460,12 +507,12 @@ class StoreChannel(Channel):
             records = int(self.client.add(self.keys.nfail, 0)) if exits >= _LOST else exits // (self.world_size + 1)
             for i in range(1, records + 1):
                 found += decode_failures(self.client.get(self.keys.fail(i)))
-            found = list(set(found))
+            found = _one_per_rank(found)
         if self.rank != 0:
             self._ack()
         elif linger:
             Lingering.hold(self.store, self.keys, self.world_size - 1)
-        return sorted(found, key=lambda f: f.rank)
+        return _one_per_rank(found)
 
     def _left(self, exits: int) -> int | None:
         """``exits`` when it says every rank has left (or the block was ended after a loss), else None."""

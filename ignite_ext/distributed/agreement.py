@@ -10,7 +10,7 @@ rank and its error; on a failing rank it is chained to the original exception. A
 turns a disagreement between ranks (different arguments, different datasets) into a ``ValueError`` on every rank
 the same way.
 
-Cost: one exchange. By default that is :func:`~ignite_ext.distributed._collective.all_gather_bytes` (two
+Cost: one exchange. By default that is :func:`~ignite_ext.distributed._gather.all_gather_bytes` (two
 collectives; every rank receives every rank's outcome, so O(N) bytes per rank); the scheduler passes its store
 channel's exchange instead, where rank 0 judges and every rank reads only the verdict.
 
@@ -23,7 +23,8 @@ import pickle
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, TypeVar, overload
 
-from ignite_ext.errors import ArchiveError, ChecksumError, DownloadError, ShmSpaceError
+from ignite_ext.distributed._gather import all_gather_bytes
+from ignite_ext.errors import rebuilt_error
 
 __all__ = ["Exchange", "agree", "disagreement"]
 
@@ -35,10 +36,6 @@ R = TypeVar("R")
 Exchange = Callable[[bytes, Callable[[list[bytes]], bytes]], bytes]
 
 _MAX_MESSAGE = 2000
-# Errors of the package that keep their type on every rank when every failing rank raised that very type.
-_KEPT: dict[str, type[Exception]] = {
-    f"{cls.__module__}.{cls.__qualname__}": cls for cls in (ArchiveError, ChecksumError, DownloadError, ShmSpaceError)
-}
 
 
 def _describe(exc: BaseException) -> str:
@@ -77,8 +74,6 @@ def disagreement(keys: Sequence[Hashable]) -> str | None:
 
 
 def _gather_exchange(mine: bytes, judge: Callable[[list[bytes]], bytes]) -> bytes:
-    from ignite_ext.distributed._collective import all_gather_bytes
-
     return judge(all_gather_bytes(mine))
 
 
@@ -90,7 +85,8 @@ def _verdict(
     if failed:
         details = "; ".join(f"rank {rank}: {name.rsplit('.', 1)[-1]}: {text}" for rank, (_, name, text, _) in failed)
         names = {name for _, (_, name, _, _) in failed}
-        if len(names) == 1 and (only := names.pop()) in _KEPT:
+        # An error of the package keeps its type on every rank when every failing rank raised that very type.
+        if len(names) == 1 and rebuilt_error(only := names.pop(), "") is not None:
             kind = only
         else:
             kind = "ValueError" if all(user for _, (_, _, _, user) in failed) else "RuntimeError"
@@ -183,4 +179,7 @@ def agree(
     if verdict[0]:
         return verdict[1]
     _, kind, message = verdict
-    raise _KEPT.get(kind, ValueError if kind == "ValueError" else RuntimeError)(message) from error
+    kept = rebuilt_error(kind, message)
+    if kept is not None:
+        raise kept from error
+    raise (ValueError if kind == "ValueError" else RuntimeError)(message) from error

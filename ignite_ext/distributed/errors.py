@@ -3,6 +3,6 @@
 .. versionadded:: 0.1.0
 """
 
-from ignite_ext.errors import RankDiedError, RankFailedError, RankFailure, StoreLostError
+from ignite_ext.errors import CollectiveError, RankDiedError, RankFailedError, RankFailure, StoreLostError
 
-__all__ = ["RankDiedError", "RankFailedError", "RankFailure", "StoreLostError"]
+__all__ = ["CollectiveError", "RankDiedError", "RankFailedError", "RankFailure", "StoreLostError"]

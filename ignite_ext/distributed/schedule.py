@@ -15,13 +15,14 @@ from contextlib import contextmanager
 import ignite.distributed as idist
 import torch.utils.data
 
-from ignite_ext.distributed._channel import Channel, make_channel, scheduler_store
+from ignite_ext.distributed._channel import Channel
+from ignite_ext.distributed._channel_choice import make_channel, scheduler_store
 from ignite_ext.distributed._collective import IdistComm
 from ignite_ext.distributed._state import GroupState, group_state
 from ignite_ext.distributed.agreement import agree, disagreement
 from ignite_ext.distributed.policies import MasterFirst, Ordered, Plan, Policy, Turn, World
 from ignite_ext.distributed.shared_path import SharedPath
-from ignite_ext.errors import RankFailedError, RankFailure
+from ignite_ext.errors import CollectiveError, RankFailedError, RankFailure
 
 __all__ = ["one_rank_first", "rank_scheduler"]
 
@@ -234,25 +235,48 @@ def rank_scheduler(order: Policy | None = None, *, timeout: float | None = None)
         state.leave(seq)  # whatever happened, this process reads no key of the block any more
 
 
+def _plan(order: Policy, world: World) -> Plan:
+    """The plan of ``order`` for ``world``, the same on every rank (or an error on every rank).
+
+    A gather that fails in the backend raises :class:`~ignite_ext.errors.CollectiveError`.
+    """
+    comm = IdistComm()
+    if isinstance(order, _BUILTIN):
+        return order.plan(world, comm)
+    # A policy of the user's must plan alike on every rank, or two ranks could both run "first"; and its plan
+    # raising on one rank must raise on every rank, not leave the others waiting for that rank's outcome.
+    plans: list[Plan] = []
+
+    def planned() -> str:
+        plans.append(order.plan(world, comm))
+        return _digest(plans[0])
+
+    agree(
+        planned,
+        f"planning with {order!r}",
+        check=_plans_differ,
+        exchange=lambda mine, judge: judge(comm.all_gather_object(mine)),
+    )
+    return plans[0]
+
+
 @contextmanager
 def _block(channel: Channel, order: object, timeout: float | None, state: GroupState, site: str) -> Iterator[Turn]:
     """One communicating block on this rank: entry, wait, run, leave."""
     rank = channel.rank
     world = _agree_on_entry(channel, order, timeout, site)
     assert isinstance(order, Policy)
-    if isinstance(order, _BUILTIN):
-        plan = order.plan(world, IdistComm())
-    else:
-        # A policy of the user's must plan alike on every rank, or two ranks could both run "first"; and its plan
-        # raising on one rank must raise on every rank, not leave the others waiting for that rank's outcome.
-        plans: list[Plan] = []
-
-        def planned() -> str:
-            plans.append(order.plan(world, IdistComm()))
-            return _digest(plans[0])
-
-        agree(planned, f"planning with {order!r}", check=_plans_differ)
-        plan = plans[0]
+    try:
+        plan = _plan(order, world)
+    except CollectiveError as exc:
+        # A peer died during the plan's gathers (SharedPath's census): the others' gathers fail, each in its own way
+        # and moment. The dead ranks' cut explains it, the same for every rank; this rank's outcome says so, so
+        # that nobody waits for it.
+        explained = channel.explain(exc)
+        if explained is None:
+            raise
+        channel.leave([], list(explained.failures))
+        raise explained from exc
     turn = plan.turns[rank]
     channel.start(plan)
     try:

@@ -13,7 +13,7 @@ import pytest
 
 import ignite_ext.distributed as idist
 from benchmarks.bench_scale import CountingStore, own_requests
-from ignite_ext.distributed import _channel
+from ignite_ext.distributed import _channel_choice
 from ignite_ext.distributed.policies import Plan, Policy, Turn, World
 from tests._world import World as TestWorld
 
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def _counting(monkeypatch_store: Counter[str]) -> None:
-    real = _channel.default_store
+    real = _channel_choice.default_store
     wrapped: dict[int, CountingStore] = {}
 
     def default_store() -> Any:
@@ -32,7 +32,7 @@ def _counting(monkeypatch_store: Counter[str]) -> None:
             wrapped[id(store)] = CountingStore(store, monkeypatch_store)
         return wrapped[id(store)]
 
-    _channel.default_store = default_store  # type: ignore[assignment]
+    _channel_choice.default_store = default_store  # type: ignore[assignment]
 
 
 def body_requests(seconds: float) -> dict[str, Any]:

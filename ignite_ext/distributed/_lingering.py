@@ -1,0 +1,61 @@
+"""Rank 0's last block, whose readers may still be using the store that rank 0's process hosts.
+
+.. versionadded:: 0.2.0
+"""
+
+from __future__ import annotations
+
+import atexit
+from datetime import timedelta
+
+from ignite_ext.distributed._store import BlockKeys, Store
+from ignite_ext.distributed.liveness.settings import heartbeat_timeout
+
+__all__ = ["Lingering"]
+
+
+class Lingering:
+    """Rank 0's last block, whose readers may still be using the store that rank 0's process hosts.
+
+    Under ``env://`` launches the store lives in rank 0's process: if rank 0 ended its process right after
+    a block, the others could lose the store while reading the outcome. Rather than make every block wait,
+    rank 0 keeps the store alive and, at interpreter exit, waits (bounded, on one key) until the others
+    acknowledged. The next block needs nothing: its entry proves everyone finished the previous one.
+    """
+
+    pending: tuple[Store, BlockKeys, int] | None = None
+    registered = False
+
+    @classmethod
+    def hold(cls, store: Store, keys: BlockKeys, expected: int) -> None:
+        cls.pending = (store, keys, expected)
+        if not cls.registered:
+            atexit.register(cls.drain)
+            cls.registered = True
+
+    @classmethod
+    def release(cls, store: Store | None = None) -> None:
+        """Drop the hold once the readers acknowledged (or, with ``store``, when a new block on it starts).
+
+        Holding the store longer than needed would keep its port bound after ``destroy_process_group``.
+        """
+        pending = cls.pending
+        if pending is None:
+            return
+        held, keys, _ = pending
+        try:
+            if held is store or held.check([keys.acked]):
+                cls.pending = None
+        except Exception:
+            cls.pending = None  # the store is gone: nothing left to protect
+
+    @classmethod
+    def drain(cls) -> None:
+        pending, cls.pending = cls.pending, None
+        if pending is None:
+            return
+        store, keys, _ = pending
+        try:
+            store.wait([keys.acked], timedelta(seconds=heartbeat_timeout()))
+        except Exception:
+            return  # the others are gone already, or did not answer in time

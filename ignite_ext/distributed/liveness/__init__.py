@@ -1,0 +1,34 @@
+"""Failure detection: which ranks of a process group are dead, decided once and the same for every rank.
+
+* :mod:`~ignite_ext.distributed.liveness.detector`: the decisions, a pure state machine (no thread, store or
+  clock of its own).
+* :mod:`~ignite_ext.distributed.liveness.heartbeat`: its driver, one daemon thread per process and store, which
+  beats, reads, posts the cuts and wakes the process's waiting threads.
+* :mod:`~ignite_ext.distributed.liveness.settings`: the settings, read from the environment.
+
+Nothing starts at import: :func:`watch_for_groups` starts the thread that waits for a process group.
+
+.. versionadded:: 0.3.0
+"""
+
+from ignite_ext.distributed.liveness.detector import Cut, Detector
+from ignite_ext.distributed.liveness.heartbeat import Heartbeat, watch_for_groups
+from ignite_ext.distributed.liveness.settings import (
+    beat_interval,
+    early_heartbeat,
+    env_float,
+    heartbeat_timeout,
+    log_interval,
+)
+
+__all__ = [
+    "Cut",
+    "Detector",
+    "Heartbeat",
+    "beat_interval",
+    "early_heartbeat",
+    "env_float",
+    "heartbeat_timeout",
+    "log_interval",
+    "watch_for_groups",
+]

@@ -1,0 +1,283 @@
+"""The failure detector's driver: one daemon thread per process and store that beats, watches and posts cuts.
+
+The decisions are :class:`~ignite_ext.distributed.liveness.detector.Detector`'s; this module only does the reads
+and writes it asks for, on a store client of its own (a blocked ``wait`` holds its client's lock).
+
+**A beat** (every ``T/6``): ``add(hb/<rank>, 1)``, then one ``multi_get`` of the watched successor's counter and
+of the group's cut counter (``ignite_ext/cuts``): 2 requests. Both keys exist from the start (the watcher creates
+its successor's counter with ``add(.., 0)``), so the read never blocks, and a successor that never beat is silent
+from the moment the watch began.
+
+**A cut** the detector proposes is posted with ``compare_set`` on ``ignite_ext/cut/<i>`` for the next number
+``i``: the first proposal of each number wins, the others adopt it (and propose what it lacks as the next
+number); the counter then moves from ``i - 1`` to ``i`` (``compare_set``: exactly once). Every process reads the
+counter at each beat, so each learns of a new cut within ``T/6`` of its posting, reads it (one ``get``) and wakes
+every thread of its own that waits in a scheduled block, which then declares the cut's ranks dead in its block.
+The cost of a failure: per suspicion, two reads of ``N`` counters by each watcher of a dead rank; per cut, one
+``get`` per process.
+
+.. versionadded:: 0.3.0
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable
+
+from ignite_ext.distributed._lingering import Lingering
+from ignite_ext.distributed._steps import store_port, watchdog, watchdog_enabled
+from ignite_ext.distributed._store import (
+    CUTS_KEY,
+    Store,
+    clone,
+    cut_key,
+    default_store,
+    heartbeat_key,
+    put,
+    put_once,
+    read,
+)
+from ignite_ext.distributed.liveness.detector import Cut, Detector
+from ignite_ext.distributed.liveness.settings import beat_interval, early_heartbeat, heartbeat_timeout
+
+__all__ = ["Heartbeat", "watch_for_groups"]
+
+
+class Heartbeat:
+    """One daemon thread per process and store, on its own client: beats, runs the detector, shares the cuts.
+
+    While a thread of this process waits in a scheduled block, each beat is armed on the watchdog: a store that
+    does not answer a beat within the heartbeat timeout is lost for the waiters too, whose slices are long.
+    """
+
+    _instances: weakref.WeakKeyDictionary[Store, Heartbeat] = weakref.WeakKeyDictionary()
+    _guard = threading.Lock()
+
+    def __init__(
+        self,
+        store: Store,
+        rank: int,
+        world_size: int,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        start: bool = True,
+    ) -> None:
+        self._clock = clock  # a virtual one in the detector's simulations, which call _beat themselves (no thread)
+        self._store = weakref.ref(store)
+        self._client = clone(store)
+        self.rank = rank
+        self._count = 0
+        self._every = beat_interval()
+        self._port = store_port(self._client)
+        self._pending: list[str] = []
+        self._ticks: dict[str, float] = {}  # wake key -> when to set it
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._cuts: list[Cut] = []
+        self._detector = Detector(rank, world_size, heartbeat_timeout(), clock(), early_heartbeat())
+        self._created: int | None = None  # the watched rank whose counter this thread made sure exists
+        put_once(self._client, CUTS_KEY, b"0")
+        self._beat()
+        if start:
+            threading.Thread(target=self._run, name="ignite_ext-heartbeat", daemon=True).start()
+
+    @classmethod
+    def ensure(cls, store: Store, rank: int, world_size: int) -> Heartbeat:
+        """The heartbeat of ``store`` in this process, started on the first call."""
+        with cls._guard:
+            hb = cls._instances.get(store)
+            if hb is None:
+                hb = cls._instances[store] = cls(store, rank, world_size)
+            return hb
+
+    # --- what the waiters use (no request) ------------------------------------------------------------------------
+
+    def cuts(self) -> list[Cut]:
+        """The group's cuts this process knows of, in order."""
+        with self._lock:
+            return list(self._cuts)
+
+    def delete_later(self, keys: Iterable[str]) -> None:
+        """Delete ``keys`` at the next beat (a block's keys, once every rank has left it)."""
+        with self._lock:
+            self._pending.extend(keys)
+
+    def tick(self, key: str, seconds: float) -> None:
+        """Set ``key`` in ``seconds`` (ends the caller's slice), or at once when a cut comes, unless :meth:`untick`."""
+        with self._lock:
+            self._ticks[key] = time.monotonic() + seconds
+        self._wake.set()
+
+    def untick(self, key: str) -> None:
+        """Forget the :meth:`tick` of ``key`` (its waiter is awake)."""
+        with self._lock:
+            self._ticks.pop(key, None)
+
+    # --- the thread -------------------------------------------------------------------------------------------------
+
+    def _beat(self) -> bool:
+        if self._store() is None:
+            return False
+        client, detector = self._client, self._detector
+        self._count += 1
+        client.add(heartbeat_key(self.rank), 1)
+        watched = detector.watched
+        if watched is not None and watched != self._created:
+            client.add(heartbeat_key(watched), 0)  # so that the read below never blocks
+            self._created = watched
+        keys = [CUTS_KEY] if watched is None else [CUTS_KEY, heartbeat_key(watched)]
+        values = client.multi_get(keys)
+        now = self._clock()
+        self._learn(int(values[0]), now)
+        # A rank in a cut (it was stopped or cut off) proposes none: its view of the others' silence is stale.
+        alive = not any(self.rank in cut.ranks for cut in self._cuts)
+        suspect = (
+            alive and watched is not None and watched == detector.watched and detector.observe(now, int(values[1]))
+        )
+        if suspect and (cut := detector.on_snapshot(now, self._snapshot())):
+            self._propose(cut, detector.silence(now))
+        Lingering.release()
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for key in pending:
+            client.delete_key(key)
+        return True
+
+    def _snapshot(self) -> dict[int, int | None]:
+        """Every other live rank's counter: one ``multi_get`` (per-key reads if some counter was never made)."""
+        ranks = [r for r in range(self._detector.world_size) if r != self.rank and r not in self._detector.dead]
+        keys = [heartbeat_key(r) for r in ranks]
+        if self._client.check(keys):
+            values = [int(v) for v in self._client.multi_get(keys)]
+            return dict(zip(ranks, values, strict=True))
+        beats = {}
+        for r, key in zip(ranks, keys, strict=True):
+            value = read(self._client, key)
+            beats[r] = None if value is None else int(value)
+        return beats
+
+    def _learn(self, posted: int, now: float) -> None:
+        """Read the cuts posted since the last beat, adopt them, and wake this process's waiters."""
+        while len(self._cuts) < posted:
+            index = len(self._cuts) + 1
+            self._adopt(Cut.decode(index, bytes(self._client.get(cut_key(index)))), now)
+
+    def _propose(self, ranks: tuple[int, ...], silent: float) -> None:
+        """Post ``ranks`` as the next cut; adopt whatever cut of that number came first, then propose the rest."""
+        remaining = set(ranks)
+        while remaining:
+            index = len(self._cuts) + 1
+            mine = Cut(index, tuple(sorted(remaining)), self.rank, round(silent, 3))  # as it reads back
+            if put_once(self._client, cut_key(index), mine.encode()):
+                cut = mine
+            else:
+                cut = Cut.decode(index, bytes(self._client.get(cut_key(index))))
+            # Whoever posted or read cut i moves the counter on, so that a proposer dead in between loses nothing.
+            self._client.compare_set(CUTS_KEY, str(index - 1), str(index))
+            self._adopt(cut, self._clock())
+            remaining -= set(cut.ranks)
+            remaining -= self._detector.dead
+
+    def _adopt(self, cut: Cut, now: float) -> None:
+        self._detector.adopt(cut.ranks, now)
+        with self._lock:
+            self._cuts.append(cut)
+            due, self._ticks = list(self._ticks), {}
+            for key in due:  # every waiter of this process declares the cut in its block
+                put(self._client, key, b"t")
+
+    def _fire_ticks(self) -> float:
+        """Set the wake keys whose time has come; return the seconds until the next one."""
+        now = time.monotonic()
+        with self._lock:  # under the lock: an untick()ed key is never set afterwards
+            due = [key for key, at in self._ticks.items() if at <= now]
+            for key in due:
+                del self._ticks[key]
+                put(self._client, key, b"t")
+            upcoming = min(self._ticks.values(), default=now + 3600.0)
+        return max(0.0, upcoming - now)
+
+    def _run(self) -> None:
+        next_beat = time.monotonic() + self._every
+        while True:
+            try:
+                until_tick = self._fire_ticks()
+                wait = min(until_tick, max(0.0, next_beat - time.monotonic()))
+                self._wake.wait(wait)
+                self._wake.clear()
+                if time.monotonic() >= next_beat:
+                    if not self._armed(self._beat):
+                        return
+                    next_beat = time.monotonic() + self._every
+            except Exception:
+                return  # the store is gone (process group destroyed or its host died): nothing left to beat
+
+    def _armed(self, beat: Callable[[], bool]) -> bool:
+        """Run ``beat``, armed on the watchdog while a waiter waits (outside blocks a slow store is not ours to cut)."""
+        if self._port is None or not self._ticks or not watchdog_enabled():
+            return beat()
+        dog = watchdog()
+        token = dog.arm(time.monotonic() + heartbeat_timeout(), self._port)
+        try:
+            return beat()
+        finally:
+            dog.disarm(token)
+
+
+_WATCHING = threading.Event()
+
+
+def watch_for_groups() -> bool:
+    """Beat from the moment a process group exists, not from the first block; True when watching starts.
+
+    A rank that dies before its first scheduled block has then been watched since its group formed, so the ranks
+    waiting at that block's entry declare it dead instead of waiting for it forever. A daemon thread looks for a
+    new default process group in this process only (no store request), five times a second for the first minute
+    and once a second after that; once one exists, the rank beats as it would from its first block. A forked
+    child watches too, unless it was forked with a process group already (a DataLoader worker: a copy, not a
+    rank). ``IGNITE_EXT_EARLY_HEARTBEAT=0`` turns this off, so that beats start with the first block.
+
+    Examples:
+        >>> import os
+        >>> from ignite_ext.distributed.liveness import watch_for_groups
+        >>> os.environ["IGNITE_EXT_EARLY_HEARTBEAT"] = "0"
+        >>> watch_for_groups()
+        False
+        >>> del os.environ["IGNITE_EXT_EARLY_HEARTBEAT"]
+
+    .. versionadded:: 0.2.0
+    """
+    if not early_heartbeat():
+        return False
+    if not _WATCHING.is_set():
+        _WATCHING.set()
+        threading.Thread(target=_watch, name="ignite_ext-group-watch", daemon=True).start()
+        os.register_at_fork(after_in_child=_after_fork)
+    return True
+
+
+def _after_fork() -> None:
+    _WATCHING.clear()  # the thread did not come along
+    if default_store() is None:
+        _WATCHING.set()
+        threading.Thread(target=_watch, name="ignite_ext-group-watch", daemon=True).start()
+
+
+def _watch() -> None:
+    import torch.distributed
+
+    seen: weakref.ref[Store] | None = None  # weak: a destroyed group's store must be free to go
+    started = time.monotonic()
+    while True:
+        time.sleep(0.2 if time.monotonic() - started < 60 else 1.0)
+        try:
+            store = default_store()
+            if store is None or (seen is not None and seen() is store) or torch.distributed.get_world_size() < 2:
+                continue
+            seen = weakref.ref(store)
+            Heartbeat.ensure(store, torch.distributed.get_rank(), torch.distributed.get_world_size())
+        except Exception:
+            continue  # a group being torn down meanwhile: the next look sees what is left

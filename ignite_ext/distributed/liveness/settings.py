@@ -1,0 +1,84 @@
+"""The liveness settings, in one place: each read from the environment when it is used.
+
+.. versionadded:: 0.3.0
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["beat_interval", "early_heartbeat", "env_float", "heartbeat_timeout", "log_interval"]
+
+
+def env_float(name: str, default: float) -> float:
+    """The number in environment variable ``name``, or ``default`` when it is unset or not a number.
+
+    Examples:
+        >>> from ignite_ext.distributed.liveness.settings import env_float
+        >>> env_float("IGNITE_EXT_NO_SUCH_SETTING", 2.5)
+        2.5
+
+    .. versionadded:: 0.3.0
+    """
+    try:
+        return float(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+def heartbeat_timeout() -> float:
+    """Seconds without a heartbeat after which a rank counts as dead (``IGNITE_EXT_HEARTBEAT_TIMEOUT``, 30).
+
+    Examples:
+        >>> from ignite_ext.distributed.liveness.settings import heartbeat_timeout
+        >>> heartbeat_timeout() > 0
+        True
+
+    .. versionadded:: 0.3.0
+    """
+    return env_float("IGNITE_EXT_HEARTBEAT_TIMEOUT", 30.0)
+
+
+def beat_interval() -> float:
+    """Seconds between two beats of a rank: a sixth of the heartbeat timeout (at least 50 ms).
+
+    Examples:
+        >>> import os
+        >>> from ignite_ext.distributed.liveness.settings import beat_interval
+        >>> os.environ["IGNITE_EXT_HEARTBEAT_TIMEOUT"] = "3"
+        >>> beat_interval()
+        0.5
+        >>> del os.environ["IGNITE_EXT_HEARTBEAT_TIMEOUT"]
+
+    .. versionadded:: 0.3.0
+    """
+    return max(0.05, heartbeat_timeout() / 6)
+
+
+def log_interval() -> float:
+    """Seconds between two "still waiting" log lines, and a wait's slice (``IGNITE_EXT_WAIT_LOG_INTERVAL``, 30).
+
+    Examples:
+        >>> from ignite_ext.distributed.liveness.settings import log_interval
+        >>> log_interval() > 0
+        True
+
+    .. versionadded:: 0.3.0
+    """
+    return env_float("IGNITE_EXT_WAIT_LOG_INTERVAL", 30.0)
+
+
+def early_heartbeat() -> bool:
+    """Whether ranks beat from the moment their process group exists (``IGNITE_EXT_EARLY_HEARTBEAT``, on).
+
+    Off (``0``), a rank beats from its first scheduled block, and a rank that never beat is never declared dead
+    (it cannot be told from one that has not reached a block yet).
+
+    Examples:
+        >>> from ignite_ext.distributed.liveness.settings import early_heartbeat
+        >>> early_heartbeat()
+        True
+
+    .. versionadded:: 0.3.0
+    """
+    return os.environ.get("IGNITE_EXT_EARLY_HEARTBEAT", "1") != "0"
