@@ -557,18 +557,20 @@ def pattern(victims: tuple[int, ...], n: int) -> str:
 
 def table(results: list[TrialResult]) -> list[dict[str, Any]]:
     """One row per fault, moment (or crash point's rank) and pattern: trials, passed, worst detection."""
-    groups: dict[tuple[str, str, str], list[TrialResult]] = {}
+    groups: dict[tuple[int, str, str, str], list[TrialResult]] = {}
     for r in results:
         t = r.trial
         where = t.moment if t.fault != "crash" else f"rank {t.victims[0]}'s requests"
-        key = (t.fault, where, pattern(t.victims, t.n) if t.fault != "crash" else "one rank")
+        key = (t.n, t.fault, where, pattern(t.victims, t.n) if t.fault != "crash" else "one rank")
         groups.setdefault(key, []).append(r)
     rows = []
-    for (fault, where, kind), group in groups.items():
+    for (n, fault, where, kind), group in groups.items():
         t = group[0].trial.heartbeat_timeout
         worst = max((s for r in group for s in r.detection.values()), default=None)
         rows.append(
             {
+                "N": n,
+                "T (s)": t,
                 "fault": fault,
                 "moment": where,
                 "pattern": kind,
@@ -581,16 +583,17 @@ def table(results: list[TrialResult]) -> list[dict[str, Any]]:
     return rows
 
 
-def write_results(results: list[TrialResult], seed: int, seconds: float) -> None:
+def write_results(results: list[TrialResult], seed: int | str, seconds: float) -> None:
     """The sweep's table: ``benchmarks/results/fault_sweep.{json,md}`` and ``docs/fault_sweep_results.rst``."""
     rows = table(results)
     here = Path(__file__).parent
-    t = results[0].trial.heartbeat_timeout
     passed = sum(not r.violations for r in results)
     summary = (
-        f"{passed} of {len(results)} trials kept every invariant (N = {results[0].trial.n}, T = {t:g} s, seed "
-        f"{seed}, {seconds / 60:.0f} min). Detection is measured from the fault to each survivor's error; it "
-        f"includes what the survivor still had to finish first (up to {WORK_S:g} s of work in block A)."
+        f"{passed} of {len(results)} trials kept every invariant (seeds {seed}, {seconds / 60:.0f} min on "
+        f"{os.cpu_count()} cores). Detection is measured from the fault to each survivor's error; it includes what "
+        f"the survivor still had to finish first (up to {WORK_S:g} s of work in block A). Empty: the store went "
+        "with rank 0's process (the survivors raise StoreLostError at once) or nothing was lost (a crash point "
+        "the run did not reach, a pause nobody needed)."
     )
     (here / "results" / "fault_sweep.json").write_text(json.dumps({"seed": seed, "rows": rows, "summary": summary}))
     keys = list(rows[0])
@@ -603,6 +606,14 @@ def write_results(results: list[TrialResult], seed: int, seconds: float) -> None
     (here.parent / "docs" / "fault_sweep_results.rst").write_text("\n".join([*rst, "", summary, ""]))
 
 
+def _save(path: str, seed: int, seconds: float, results: list[TrialResult]) -> None:
+    rows = [
+        {"trial": asdict(r.trial), "violations": r.violations, "detection": r.detection, "fired": r.fired_at}
+        for r in results
+    ]
+    Path(path).write_text(json.dumps({"seed": seed, "seconds": seconds, "results": rows}, indent=1))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=4)
@@ -612,7 +623,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--out", default="", help="also write every trial's result to this JSON file")
     parser.add_argument("--write", action="store_true", help="write the table to benchmarks/results and the docs")
+    parser.add_argument("--table", nargs="*", default=None, help="write the table from these --out files, run none")
     args = parser.parse_args(argv)
+    if args.table is not None:
+        loaded, seeds, seconds = [], [], 0.0
+        for path in args.table:
+            saved = json.loads(Path(path).read_text())
+            seeds.append(str(saved["seed"]))
+            seconds += saved.get("seconds", 0.0)
+            for row in saved["results"]:
+                trial = Trial(**{**row["trial"], "victims": tuple(row["trial"]["victims"])})
+                detection = {int(k): v for k, v in row["detection"].items()}
+                loaded.append(TrialResult(trial, violations=row["violations"], detection=detection))
+        write_results(loaded, ", ".join(seeds), seconds)
+        return 0
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)
     rng = random.Random(seed)
     print(f"[sweep] seed {seed}", flush=True)
@@ -630,15 +654,11 @@ def main(argv: list[str] | None = None) -> int:
     for i, trial in enumerate(trials):
         res = run_trial(trial, ctx)
         results.append(res)
+        if args.out:  # after every trial: a sweep cut short still leaves its results
+            _save(args.out, seed, time.monotonic() - started, results)
         worst = max(res.detection.values(), default=0.0)
         status = "ok" if not res.violations else "VIOLATED: " + "; ".join(res.violations)
         print(f"[sweep] {i + 1}/{len(trials)} {trial.describe()}: {worst:.2f} s, {status}", flush=True)
-    if args.out:
-        rows = [
-            {"trial": asdict(r.trial), "violations": r.violations, "detection": r.detection, "fired": r.fired_at}
-            for r in results
-        ]
-        Path(args.out).write_text(json.dumps({"seed": seed, "results": rows}, indent=1))
     if args.write:
         write_results(results, seed, time.monotonic() - started)
     failed = [r for r in results if r.violations]

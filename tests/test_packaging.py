@@ -7,12 +7,15 @@ its source without extras, so anything the code imports at run time but ``setup.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import venv
 from pathlib import Path
 
 import pytest
+
+import ignite_ext
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,3 +89,26 @@ def test_plain_install_without_extras_uses_every_capability(tmp_path: Path) -> N
     assert Path(where.strip()).is_relative_to(env_dir), f"imported from {where}, not from the fresh environment"
     done = run(str(python), "-c", USE_EVERYTHING, timeout=300)
     assert done.stdout.strip().endswith("every capability works"), done.stdout
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """``"0.3.0"`` as ``(0, 3, 0)``; the package's versions are plain releases."""
+    assert re.fullmatch(r"\d+\.\d+\.\d+", version), version
+    return tuple(int(part) for part in version.split("."))
+
+
+def test_the_changelog_describes_the_version_of_the_package() -> None:
+    text = (ROOT / "CHANGELOG.md").read_text()
+    versions = [line.removeprefix("## ").strip() for line in text.splitlines() if line.startswith("## ")]
+    assert versions[0] == ignite_ext.__version__, (versions, ignite_ext.__version__)
+    assert versions == sorted(versions, key=_release, reverse=True), versions
+
+
+def test_no_name_is_newer_than_the_package() -> None:
+    current = _release(ignite_ext.__version__)
+    newer = []
+    for path in sorted((ROOT / "ignite_ext").rglob("*.py")):
+        for version in re.findall(r"versionadded:: (\d+\.\d+\.\d+)", path.read_text()):
+            if _release(version) > current:
+                newer.append(f"{path.relative_to(ROOT)}: {version}")
+    assert newer == [], newer
