@@ -40,17 +40,20 @@ class Fault:
     wrong_bytes: bool = False
     ignore_range: bool = False
     times: int | None = None
-    # Lies told to range requests (206 answers): another ETag, another total, "*" as the total, wrong bytes, or a
-    # status instead (416: "you have it all").
+    # Lies told to range requests (206 answers): another ETag, another total, "*" as the total, a range that ends at
+    # range_end (short of the end of the file it announces), wrong bytes, or a status instead (416: "you have it all").
     range_etag: str | None = None
     range_total: int | None = None
     star_total: bool = False
+    range_end: int | None = None
     range_wrong_bytes: bool = False
     range_status: int | None = None
-    # Other misbehaviour: a Content-Encoding (the body is gzip-compressed for "gzip"), a redirect, a slow body.
+    # Other misbehaviour: a Content-Encoding (the body is gzip-compressed for "gzip"), a redirect, a slow body (at
+    # trickle_bps, in writes of trickle_bytes: 1 byte at 1.25 B/s keeps every read of the client short).
     encoding: str | None = None
     redirect: str | None = None
     trickle_bps: float | None = None
+    trickle_bytes: int = 1024
 
 
 @dataclass
@@ -244,6 +247,8 @@ class _Handler(BaseHTTPRequestHandler):
         request.status = 206 if start else 200
         last = re.fullmatch(r"bytes=\d+-(\d+)", request.range or "") if start else None
         stop = min(len(data), int(last.group(1)) + 1) if last else len(data)
+        if start and fault.range_end is not None:
+            stop = min(stop, fault.range_end)
         body = data[start:stop]
         if fault.encoding == "gzip":
             body = gzip.compress(body)
@@ -293,9 +298,11 @@ class _Handler(BaseHTTPRequestHandler):
             if self.state.conn_bps:  # each connection its own link of conn_bps, as a per-flow limited CDN
                 time.sleep(n / self.state.conn_bps)
             if fault.trickle_bps:
-                n = min(n, 1024)
+                n = min(n, fault.trickle_bytes)
                 chunk = chunk[:n]
-                time.sleep(n / fault.trickle_bps)
+                if self.state.stop.wait(n / fault.trickle_bps):  # a closed server releases its trickles too
+                    self.close_connection = True
+                    return
             self.wfile.write(chunk)
             self.wfile.flush()
             with self.state.lock:

@@ -4,6 +4,7 @@
 * a capability subpackage of ``ignite_ext.data`` (``download``, ``sampler``, ``cache``) imports another one, and
   ``ignite_ext.distributed``, only through public modules (no ``_private`` module of another package);
 * ``ignite_ext.errors`` and ``ignite_ext._fs`` import nothing of the package but ``ignite_ext.errors``;
+* the modules of the package import one another without a circle (imports inside functions count too);
 * benchmarks and examples import neither ``tests`` nor any private module of the package.
 """
 
@@ -123,6 +124,12 @@ def import_cycles(package: str) -> list[list[str]]:
 
 def test_the_distributed_package_has_no_import_circle() -> None:
     assert import_cycles("ignite_ext.distributed") == []
+
+
+def test_the_whole_package_has_no_import_circle() -> None:
+    # A circle works only in the order the modules happen to be imported in (or only under TYPE_CHECKING): every
+    # module of the package must stand on the ones below it.
+    assert import_cycles("ignite_ext") == []
 
 
 def test_the_checker_sees_a_violation(tmp_path: Path) -> None:

@@ -11,6 +11,8 @@ import hashlib
 import json
 import os
 import random
+import re
+import threading
 import time
 from pathlib import Path
 
@@ -18,6 +20,7 @@ import pytest
 
 from benchmarks.http_server import TestHTTPServer
 from ignite_ext import _fs
+from ignite_ext.__main__ import main
 from ignite_ext.data import DownloadError, download_url
 from ignite_ext.data.download import _partial
 from ignite_ext.data.download._http import BACKOFF_ENV
@@ -65,6 +68,23 @@ def test_a_206_with_an_unknown_total_and_a_short_body_is_not_published(server: T
     park_half(server, url, tmp_path)
     server.fault("/a.bin", star_total=True, drop_after=50_000, times=1)
     assert download_url(url, tmp_path, progress=False).read_bytes() == DATA
+
+
+@pytest.mark.parametrize("star", [False, True], ids=["of-102400", "of-star"])
+def test_a_206_that_ends_before_the_file_does_is_never_published(
+    star: bool, server: TestHTTPServer, tmp_path: Path
+) -> None:
+    # "bytes 50000-69999/102400" (or ".../*") to "bytes=50000-": the range asked for runs to the end of the file, the
+    # answer stops at 70,000 bytes. Without a checksum nothing but the announced sizes can tell.
+    data = DATA[:102_400]
+    url = server.add("/a.bin", data)
+    server.fault("/a.bin", drop_after=50_000, times=1)
+    with pytest.raises(DownloadError):
+        download_url(url, tmp_path, retries=0, progress=False)
+    server.fault("/a.bin", range_end=70_000, star_total=star, times=1)
+    assert download_url(url, tmp_path, progress=False).read_bytes() == data
+    requests = [(r.range, r.status, r.sent) for r in server.requests("/a.bin")]
+    assert requests == [(None, 200, 50_000), ("bytes=50000-", 206, 20_000), (None, 200, 102_400)]
 
 
 def test_a_weak_last_modified_is_no_validator(server: TestHTTPServer, tmp_path: Path) -> None:
@@ -121,6 +141,67 @@ def test_a_trickling_server_is_bounded_by_the_deadline(server: TestHTTPServer, t
     assert time.monotonic() - start < 10
     with pytest.raises(ValueError, match="deadline"):
         download_url(url, tmp_path, deadline=0, progress=False)
+
+
+def test_a_trickling_server_is_abandoned_below_the_low_speed_floor_and_resumed(
+    server: TestHTTPServer, tmp_path: Path
+) -> None:
+    url = server.add("/a.bin", DATA)
+    # 1 byte every 0.8 s: every read returns well within timeout (2 s, so that a loaded host cannot make one time out).
+    server.fault("/a.bin", trickle_bps=1.25, trickle_bytes=1)
+    timeout, floor_s, retries = 2.0, 1.0, 1
+    outcome: list[BaseException | Path] = []
+
+    def fetch() -> None:
+        try:
+            outcome.append(
+                download_url(
+                    url,
+                    tmp_path,
+                    timeout=timeout,
+                    retries=retries,
+                    low_speed_limit=100,
+                    low_speed_time=floor_s,
+                    progress=False,
+                )
+            )
+        except BaseException as exc:  # whatever it is, the assertions below show it
+            outcome.append(exc)
+
+    # An attempt is abandoned by the first read that ends floor_s seconds below the floor, and reads come at most
+    # timeout apart: each attempt ends within floor_s + timeout of its start. Three times that per attempt covers
+    # the connections and a loaded host; without the floor the call would take 300,000 * 0.8 s.
+    bound = 3 * (retries + 1) * (floor_s + timeout)
+    thread = threading.Thread(target=fetch, daemon=True)
+    start = time.monotonic()
+    thread.start()
+    thread.join(bound)
+    assert not thread.is_alive(), f"still fetching after {bound} s"
+    assert time.monotonic() - start < bound
+    (error,) = outcome
+    assert isinstance(error, DownloadError), error
+    assert "gave up after 2 attempts" in str(error) and "below 100 B/s for 1 s" in str(error)
+    first, second = server.requests("/a.bin")
+    resumed = re.fullmatch(r"bytes=(\d+)-", second.range or "")
+    assert first.range is None and resumed is not None, (first, second)
+    held = int(resumed.group(1))  # the retry resumed from the bytes the abandoned attempt held
+    assert 1 <= held <= first.sent
+    (parked,) = tmp_path.glob(".a.bin.*.part")  # and the next call may resume them too
+    assert parked.stat().st_size > held
+
+
+def test_the_cli_passes_the_low_speed_floor(
+    server: TestHTTPServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = server.add("/a.bin", DATA)
+    server.fault("/a.bin", trickle_bps=1.25, trickle_bytes=1)
+    args = ["download", url, "--root", str(tmp_path), "--timeout", "2", "--retries", "0", "--no-progress"]
+    assert main([*args, "--low-speed-limit", "100", "--low-speed-time", "1"]) == 1
+    assert "below 100 B/s for 1 s" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="low_speed_limit"):
+        download_url(url, tmp_path, low_speed_limit=-1, progress=False)
+    with pytest.raises(ValueError, match="low_speed_time"):
+        download_url(url, tmp_path, low_speed_time=0, progress=False)
 
 
 # --- full disks -------------------------------------------------------------------------------------------------

@@ -6,9 +6,13 @@ is and once with the filter removed, so the package's own checks must stop each 
 
 from __future__ import annotations
 
+import errno
 import io
 import os
+import shutil
+import signal
 import stat
+import subprocess
 import tarfile
 import time
 import zipfile
@@ -18,9 +22,11 @@ from typing import Any
 
 import pytest
 
+from benchmarks.http_server import TestHTTPServer
 from ignite_ext.__main__ import main
-from ignite_ext.data import ArchiveError, download_url, extract_archive
+from ignite_ext.data import ArchiveError, DownloadError, download_url, extract_archive
 from ignite_ext.data.download._members import MAX_DEPTH
+from ignite_ext.errors import IgniteExtError
 
 
 def member(name: str, kind: bytes = tarfile.REGTYPE, *, link: str = "", data: bytes = b"", mode: int = 0o644) -> Any:
@@ -201,3 +207,63 @@ def test_the_archive_size_cap_reaches_extraction_from_download_url_and_the_cli(
     assert (
         download_url(archive.as_uri(), tmp_path / "c", extract=True, progress=False) / "big.bin"
     ).stat().st_size == 10_000
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs in a mount namespace of the test's own, held by a sleeping process, as this process reaches it.
+
+    Nothing is mounted where anything else runs, and the filesystem goes with the namespace when the holder is killed,
+    whatever becomes of the test.
+    """
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("mounting a small filesystem needs root and unshare")
+    mountpoint = tmp_path / "small"
+    mountpoint.mkdir()
+    holder = subprocess.Popen(
+        [
+            *("unshare", "--mount", "--propagation", "private", "--", "sh", "-c"),
+            'mount -t tmpfs -o size=1m tmpfs "$0" && echo ready && exec sleep 600',
+            str(mountpoint),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert holder.stdout is not None
+        if holder.stdout.readline().strip() != "ready":  # "" once the shell exits: the mount failed
+            pytest.skip(f"cannot mount a small filesystem in a mount namespace: {holder.communicate()[1].strip()}")
+        yield Path(f"/proc/{holder.pid}/root") / mountpoint.relative_to("/")
+    finally:
+        if holder.poll() is None:
+            os.killpg(holder.pid, signal.SIGKILL)
+        holder.communicate(timeout=30)
+
+
+def _bomb(path: Path, size: int) -> bytes:
+    """An archive of ``size`` zero bytes in one member, a few KiB compressed."""
+    if path.suffix == ".zip":
+        with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
+            zf.writestr("zeros.bin", bytes(size))
+    else:
+        with tarfile.open(path, "w:gz") as tar:
+            info = tarfile.TarInfo("zeros.bin")
+            info.size = size
+            tar.addfile(info, io.BytesIO(bytes(size)))
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize("name", ["bomb.zip", "bomb.tar.gz"])
+def test_a_bomb_that_fills_the_disk_is_the_packages_error_and_gives_the_space_back(
+    name: str, small_disk: Path, server: TestHTTPServer, tmp_path: Path
+) -> None:
+    url = server.add("/" + name, _bomb(tmp_path / name, 8 << 20))  # 8 MiB for a 1 MiB filesystem
+    with pytest.raises(DownloadError, match="No space left on device") as info:
+        download_url(url, small_disk, extract=True, progress=False)
+    error = info.value
+    assert isinstance(error, IgniteExtError) and isinstance(error, OSError) and error.errno == errno.ENOSPC
+    assert ".extracting" not in str(error) and name in str(error)  # names the archive, not the private directory
+    assert sorted(p.name for p in small_disk.iterdir() if not p.name.endswith((".lock", ".verified.json"))) == [name]
+    assert shutil.disk_usage(small_disk).used < 128 << 10  # the archive and the records: the 1 MiB is given back

@@ -35,6 +35,8 @@ __all__ = [
     "RangeMismatch",
     "Response",
     "RetryableError",
+    "SpeedFloor",
+    "TooSlow",
     "Validator",
     "backoff_delay",
     "check_scheme",
@@ -78,8 +80,9 @@ class RetryableError(IgniteExtError):
 class RangeMismatch(RetryableError):
     """The answer to a range request cannot be trusted to continue the bytes held: start over without ``Range``.
 
-    A 206 for another range, another version (``ETag``) or another total size than the bytes held, a 416, or a
-    body cut short of the range it announced: appending it could splice two versions of the file.
+    A 206 for another range, another version (``ETag``) or another total size than the bytes held, one that stops
+    short of the end of the file when the rest of it was asked for, a 416, or a body cut short of the range it
+    announced: appending it could splice two versions of the file, or pass part of the file off as all of it.
 
     Examples:
         >>> from ignite_ext.data.download._http import RangeMismatch, RetryableError
@@ -88,6 +91,75 @@ class RangeMismatch(RetryableError):
 
     .. versionadded:: 0.2.0
     """
+
+
+class TooSlow(RetryableError):
+    """A body stayed below the low-speed floor for the whole window (see :class:`SpeedFloor`): given up, resumable.
+
+    Examples:
+        >>> from ignite_ext.data.download._http import RetryableError, TooSlow
+        >>> issubclass(TooSlow, RetryableError)  # a failed attempt like a timeout: retried, from the bytes held
+        True
+
+    .. versionadded:: 0.3.0
+    """
+
+
+class SpeedFloor:
+    """The low-speed abort of one response body, as curl's ``--speed-limit`` and ``--speed-time``.
+
+    ``timeout`` bounds each read, so it cannot tell a server that trickles (a byte now and then, every read in
+    time) from one that works: without a floor such a body keeps its caller for as long as the server likes. The
+    bytes are counted in windows: a window closes as soon as it holds ``limit * seconds`` bytes and the next one
+    opens, and a read that finds a window ``seconds`` old with fewer raises :class:`TooSlow`. Only reads check, and
+    each comes within ``timeout`` (or fails), so a body is given up at most ``seconds + timeout`` after its window
+    opened.
+
+    Args:
+        url: the URL, for the message.
+        limit: the floor in bytes per second; 0 turns the check off.
+        seconds: how long a body may stay below it.
+
+    Examples:
+        >>> import time
+        >>> from ignite_ext.data.download._http import SpeedFloor, TooSlow
+        >>> floor = SpeedFloor("http://host/a.bin", limit=1000, seconds=0.05)
+        >>> floor.count(10)  # below the floor, but not for 0.05 s yet
+        >>> time.sleep(0.06)
+        >>> try:
+        ...     floor.count(10)
+        ... except TooSlow as exc:
+        ...     print("given up:", "below 1000 B/s for 0.05 s" in str(exc))
+        given up: True
+        >>> SpeedFloor("http://host/a.bin", limit=0, seconds=0.05).count(0)  # off
+
+    .. versionadded:: 0.3.0
+    """
+
+    def __init__(self, url: str, limit: float, seconds: float) -> None:
+        self.url = url
+        self.limit = limit
+        self.seconds = seconds
+        self._opened = time.monotonic()
+        self._bytes = 0
+
+    def count(self, n: int) -> None:
+        """Count ``n`` bytes just read.
+
+        Raises:
+            TooSlow: the window is ``seconds`` old and holds fewer than ``limit * seconds`` bytes.
+        """
+        if self.limit <= 0:
+            return
+        self._bytes += n
+        now = time.monotonic()
+        if self._bytes >= self.limit * self.seconds:
+            self._opened, self._bytes = now, 0
+        elif now - self._opened >= self.seconds:
+            raise TooSlow(
+                f"{self.url}: below {self.limit:g} B/s for {self.seconds:g} s "
+                f"({self._bytes} bytes in the last {now - self._opened:.1f} s)"
+            )
 
 
 class FatalHTTPError(IgniteExtError):
@@ -316,9 +388,7 @@ def _from_success(
     if status == 206:
         match = _CONTENT_RANGE.fullmatch(headers.get("Content-Range", "").strip())
         total = None if match is None or match.group(3) == "*" else int(match.group(3))
-        problem = _range_problem(match, requested, sent, validator, total, known_total)
-        if not problem and stop is not None and match is not None and int(match.group(2)) != stop - 1:
-            problem = f"a 206 ending at byte {match.group(2)} for a segment ending at {stop - 1}"
+        problem = _range_problem(match, requested, stop, sent, validator, total, known_total)
         if problem:
             raw.close()
             raise RangeMismatch(f"{url}: {problem}; starting over without Range")
@@ -333,6 +403,7 @@ def _from_success(
 def _range_problem(
     match: re.Match[str] | None,
     requested: int,
+    stop: int | None,
     sent: Validator | None,
     got: Validator,
     total: int | None,
@@ -347,8 +418,17 @@ def _range_problem(
         return f"a 206 of the version of {got.last_modified} for bytes of {sent.last_modified}"
     if total is not None and known_total is not None and total != known_total:
         return f"a 206 for a file of {total} bytes, but the bytes held are of one of {known_total}"
-    if total is not None and int(match.group(2)) >= total:
+    end = int(match.group(2)) + 1
+    if total is not None and end > total:
         return f"a 206 for bytes past the end of a file of {total} bytes"
+    if stop is not None:
+        return "" if end == stop else f"a 206 ending at byte {end - 1} for a segment ending at {stop - 1}"
+    # The rest of the file was asked for: where the body ends, the file ends. A range that stops short of the size
+    # the file is known to have would be taken for the whole of a smaller one (with "*" as its total, or no size
+    # known, the range's end is all there is to go by).
+    size = total if total is not None else known_total
+    if size is not None and end != size:
+        return f"a 206 ending at byte {end - 1} of a file of {size} bytes, for the rest of it from byte {requested}"
     return ""
 
 

@@ -15,7 +15,22 @@ from typing import Any
 
 from ignite_ext.errors import DownloadError
 
-__all__ = ["DeadlinePassed", "Job", "NoBar", "NoSpace", "check_space", "progress_bar"]
+__all__ = [
+    "LOW_SPEED_LIMIT",
+    "LOW_SPEED_TIME_S",
+    "DeadlinePassed",
+    "Job",
+    "NoBar",
+    "NoSpace",
+    "check_space",
+    "progress_bar",
+]
+
+#: Default low-speed floor of a download, in bytes per second (``low_speed_limit``; curl's ``--speed-limit``).
+LOW_SPEED_LIMIT = 1024
+#: Default time a body may stay below :data:`LOW_SPEED_LIMIT`, in seconds (``low_speed_time``; curl's
+#: ``--speed-time``).
+LOW_SPEED_TIME_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -28,6 +43,8 @@ class Job:
     progress: bool
     ends_at: float | None  # time.monotonic() past which this call gives up
     connections: int = 1
+    low_speed_limit: float = LOW_SPEED_LIMIT  # bytes per second; 0: no floor
+    low_speed_time: float = LOW_SPEED_TIME_S
 
     def check_deadline(self, url: str) -> None:
         if self.ends_at is not None and time.monotonic() > self.ends_at:

@@ -23,33 +23,25 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import IO
 
-from ignite_ext.data.download._http import RangeMismatch, RetryableError, Validator, backoff_delay, open_range
-from ignite_ext.data.download._partial import Partial
+from ignite_ext.data.download._http import (
+    RangeMismatch,
+    RetryableError,
+    SpeedFloor,
+    Validator,
+    backoff_delay,
+    open_range,
+)
+from ignite_ext.data.download._partial import Partial, Segment
 from ignite_ext.data.download._verify import CHUNK
 
-__all__ = ["MIN_SEGMENT", "Segment", "fetch_segments", "plan_segments"]
+__all__ = ["MIN_SEGMENT", "fetch_segments", "plan_segments"]
 
 #: Smallest segment worth a connection of its own: below this, one stream is as fast.
 MIN_SEGMENT = 4 << 20
 # How often segment 0 writes how far every segment got into the temp file's record (for a resume after a crash).
 _RECORD_EVERY_S = 1.0
-
-
-@dataclass
-class Segment:
-    """Bytes ``start:stop`` of the file; ``done`` of them written so far."""
-
-    start: int
-    stop: int
-    done: int = 0
-
-    @property
-    def complete(self) -> bool:
-        """Whether every byte of the segment is written."""
-        return self.start + self.done >= self.stop
 
 
 def plan_segments(start: int, total: int, connections: int) -> list[Segment]:
@@ -80,15 +72,21 @@ def fetch_segments(
     *,
     timeout: float,
     retries: int,
+    low_speed: tuple[float, float],
     on_bytes: Callable[[int], None],
     check_deadline: Callable[[], None],
 ) -> None:
     """Fetch ``segments`` (the first from the open body ``first``) into ``partial``; raise if any cannot be had.
 
+    Each connection has a low-speed floor of its own (``low_speed``: bytes per second, seconds; see
+    :class:`~ignite_ext.data.download._http.SpeedFloor`): one trickling segment is retried alone, while the others
+    go on.
+
     Raises:
         RangeMismatch: a segment's answer does not continue this version of the file (the caller starts over in
             one stream).
-        RetryableError: a segment failed ``retries + 1`` times; the prefix fetched so far stays resumable.
+        RetryableError: a segment failed ``retries + 1`` times, or the first stream failed once (timeout, short
+            body, below the floor); the prefix fetched so far stays resumable.
     """
     total = segments[-1].stop
     stop = threading.Event()
@@ -101,7 +99,9 @@ def fetch_segments(
 
     def run(segment: Segment) -> None:
         try:
-            _fetch_one(url, partial, segment, validator, total, timeout, retries, stop, bytes_in, check_deadline)
+            _fetch_one(
+                url, partial, segment, validator, total, timeout, retries, low_speed, stop, bytes_in, check_deadline
+            )
         except BaseException as exc:  # every thread's failure reaches the caller
             errors.append(exc)
             stop.set()
@@ -111,7 +111,7 @@ def fetch_segments(
     for thread in threads:
         thread.start()
     try:
-        _stream_first(url, partial, first, segments, stop, bytes_in, check_deadline)
+        _stream_first(url, partial, first, segments, SpeedFloor(url, *low_speed), stop, bytes_in, check_deadline)
     except BaseException as exc:
         errors.append(exc)
         stop.set()
@@ -131,6 +131,7 @@ def _stream_first(
     partial: Partial,
     body: IO[bytes],
     segments: list[Segment],
+    floor: SpeedFloor,
     stop: threading.Event,
     on_bytes: Callable[[int], None],
     check_deadline: Callable[[], None],
@@ -148,6 +149,7 @@ def _stream_first(
         partial.append(chunk)
         first.done += len(chunk)
         on_bytes(len(chunk))
+        floor.count(len(chunk))
         check_deadline()
         if time.monotonic() - recorded > _RECORD_EVERY_S:
             partial.note_segments(segments)
@@ -162,6 +164,7 @@ def _fetch_one(
     total: int,
     timeout: float,
     retries: int,
+    low_speed: tuple[float, float],
     stop: threading.Event,
     on_bytes: Callable[[int], None],
     check_deadline: Callable[[], None],
@@ -173,6 +176,7 @@ def _fetch_one(
             with contextlib.closing(response.body):
                 if response.offset != segment.start + segment.done:
                     raise RangeMismatch(f"{url}: a segment request was answered with the whole file")
+                floor = SpeedFloor(url, *low_speed)
                 while not segment.complete and not stop.is_set():
                     try:
                         chunk = response.body.read1(CHUNK)  # type: ignore[attr-defined]
@@ -184,6 +188,7 @@ def _fetch_one(
                     _pwrite_all(partial.fd, chunk, segment.start + segment.done)
                     segment.done += len(chunk)
                     on_bytes(len(chunk))
+                    floor.count(len(chunk))
                     check_deadline()
         except RangeMismatch:
             raise

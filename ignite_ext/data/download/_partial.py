@@ -20,8 +20,8 @@ import os
 import re
 import stat
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ignite_ext._fs import (
     OWNER,
@@ -38,16 +38,31 @@ from ignite_ext._fs import (
 from ignite_ext.data.download._http import Validator
 from ignite_ext.data.download._verify import CHUNK, hashers
 
-if TYPE_CHECKING:
-    from ignite_ext.data.download._parallel import Segment
-
-__all__ = ["ORPHAN_MAX_AGE_S", "Partial", "claim", "meta_path", "park", "parked_path"]
+__all__ = ["ORPHAN_MAX_AGE_S", "Partial", "Segment", "claim", "meta_path", "park", "parked_path"]
 
 logger = logging.getLogger("ignite_ext.data.download")
 
 #: Temp files of writers on other hosts (whose pids cannot be checked) are orphans after this many idle seconds.
 ORPHAN_MAX_AGE_S = 24 * 3600.0
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+@dataclass
+class Segment:
+    """Bytes ``start:stop`` of the file; ``done`` of them written so far (one connection of a parallel fetch).
+
+    Defined with the temp file, which records how far each segment got, rather than with the parallel fetch that
+    plans them: the fetch writes into the temp file, so the temp file cannot depend on the fetch.
+    """
+
+    start: int
+    stop: int
+    done: int = 0
+
+    @property
+    def complete(self) -> bool:
+        """Whether every byte of the segment is written."""
+        return self.start + self.done >= self.stop
 
 
 def parked_path(target: Path, first_url: str) -> Path:

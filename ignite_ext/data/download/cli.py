@@ -17,6 +17,7 @@ import os
 import socket
 import sys
 
+from ignite_ext.data.download._job import LOW_SPEED_LIMIT, LOW_SPEED_TIME_S
 from ignite_ext.data.download.extract import DEFAULT_MAX_TOTAL_BYTES
 
 __all__ = ["EXIT_CHECKSUM", "EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_USAGE", "add_cli_arguments", "cli"]
@@ -58,6 +59,18 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds per connection or read (default: 30)")
     parser.add_argument("--retries", type=int, default=3, help="further attempts per URL (default: 3)")
     parser.add_argument("--deadline", type=float, help="give up fetching after this many seconds (default: none)")
+    parser.add_argument(
+        "--low-speed-limit",
+        type=float,
+        default=LOW_SPEED_LIMIT,
+        help=f"give an attempt up when it stays below this many bytes/s (default: {LOW_SPEED_LIMIT}; 0: never)",
+    )
+    parser.add_argument(
+        "--low-speed-time",
+        type=float,
+        default=LOW_SPEED_TIME_S,
+        help=f"seconds an attempt may stay below --low-speed-limit (default: {LOW_SPEED_TIME_S:g})",
+    )
     parser.add_argument(
         "--connections", type=int, default=1, help="concurrent range requests for a large file (default: 1)"
     )
@@ -124,6 +137,8 @@ def cli(args: argparse.Namespace) -> int:
             connections=getattr(args, "connections", 1),
             max_total_bytes=getattr(args, "max_total_bytes", DEFAULT_MAX_TOTAL_BYTES),
             progress=args.progress,
+            low_speed_limit=getattr(args, "low_speed_limit", LOW_SPEED_LIMIT),
+            low_speed_time=getattr(args, "low_speed_time", LOW_SPEED_TIME_S),
         )
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)

@@ -8,7 +8,9 @@ bound are all refused with :class:`ArchiveError`. Tar archives are then extracte
 
 Extraction goes into a private sibling directory ``.<dest>.<host>.<pid>.<random>.extracting`` that receives a
 completion record and is then renamed to ``dest``: ``dest`` is either complete or absent, a second call is a
-no-op, and concurrent callers wait for each other on a file lock (which, as for downloads, only saves work).
+no-op, and concurrent callers wait for each other on a file lock (which, as for downloads, only saves work). When
+the disk fails the extraction (full, as under an archive bomb, or over quota), the private directory is removed
+and :class:`~ignite_ext.errors.DownloadError` (an :class:`OSError` with the failure's ``errno``) is raised.
 
 .. versionadded:: 0.1.0
 """
@@ -23,7 +25,7 @@ import os
 import re
 import shutil
 import tarfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +33,7 @@ from ignite_ext._fs import OWNER, fsync_dir, orphans, owner_tag, read_json, side
 from ignite_ext._locks import exclusive
 from ignite_ext.data.download._members import UNREADABLE, check_links, extract_tar, extract_zip
 from ignite_ext.data.download._partial import ORPHAN_MAX_AGE_S
-from ignite_ext.errors import ArchiveError
+from ignite_ext.errors import ArchiveError, DownloadError, IgniteExtError
 
 __all__ = ["DEFAULT_MAX_TOTAL_BYTES", "ArchiveError", "archive_stem", "extract_archive"]
 
@@ -87,6 +89,8 @@ def extract_archive(
     Raises:
         ArchiveError: an unsafe member (absolute path, ``..``, a link leaving ``dest_dir``, a member inside a
             link, a device or fifo), a total size above ``max_total_bytes``, or an unsupported suffix.
+        DownloadError: the disk failed the extraction (full, over quota, an I/O error): an :class:`OSError` with
+            the ``errno`` of the failure; what was extracted so far is removed.
         FileExistsError: ``dest_dir`` exists, is not empty and was not made by this function.
 
     Examples:
@@ -157,18 +161,41 @@ def _extract_atomically(
     archive: Path, kind: str, dest: Path, identity: Mapping[str, Any], max_total_bytes: int
 ) -> None:
     temp = dest.with_name(f".{sidecar_stem(dest.name)}.{owner_tag()}.extracting")
-    temp.mkdir()
+    with _disk_errors(archive, temp, dest):
+        temp.mkdir()
     try:
-        logger.info("extracting %s into %s", archive, dest)
-        _extract_checked(archive, kind, temp, max_total_bytes, dest)
-        check_links(temp)
-        (temp / _RECORD).write_text(json.dumps(dict(identity), sort_keys=True), encoding="utf-8")
+        with _disk_errors(archive, temp, dest):
+            logger.info("extracting %s into %s", archive, dest)
+            _extract_checked(archive, kind, temp, max_total_bytes)
+            check_links(temp)
+            (temp / _RECORD).write_text(json.dumps(dict(identity), sort_keys=True), encoding="utf-8")
         _publish(temp, dest, identity)
     finally:
-        shutil.rmtree(temp, ignore_errors=True)
+        shutil.rmtree(temp, ignore_errors=True)  # also what a bomb wrote before the disk filled up
 
 
-def _extract_checked(archive: Path, kind: str, dest: Path, max_total_bytes: int, shown_as: Path) -> None:
+@contextlib.contextmanager
+def _disk_errors(archive: Path, temp: Path, dest: Path) -> Iterator[None]:
+    """Raise the disk's failures of an extraction (ENOSPC, EDQUOT, EIO...) as the package's error.
+
+    :class:`DownloadError` is the package's :class:`OSError`, and it keeps the failure's ``errno``: callers that
+    catch ``OSError`` (or test ``errno``) around an extraction keep doing so. It names the archive and the
+    destination, not the private directory.
+    """
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno is None or isinstance(exc, IgniteExtError):
+            raise
+        shown = str(exc).replace(str(temp), f"<{dest}>")
+        error = DownloadError(
+            f"extracting {archive.name} into {dest}: {shown}; nothing was kept (the partial extraction is removed)"
+        )
+        error.errno = exc.errno
+        raise error from exc
+
+
+def _extract_checked(archive: Path, kind: str, dest: Path, max_total_bytes: int) -> None:
     try:
         if kind == "tar":
             extract_tar(archive, dest, max_total_bytes)
@@ -176,10 +203,7 @@ def _extract_checked(archive: Path, kind: str, dest: Path, max_total_bytes: int,
             extract_zip(archive, dest, max_total_bytes)
     except UNREADABLE as exc:
         if isinstance(exc, OSError) and exc.errno is not None:
-            # The disk, not the archive (gzip and bz2 report corrupt streams as OSError without errno): say which
-            # archive and which destination, not the private directory the error names.
-            shown = str(exc).replace(str(dest), f"<{shown_as}>")
-            raise OSError(exc.errno, f"extracting {archive.name} into {shown_as}: {shown}") from exc
+            raise  # the disk, not the archive (gzip and bz2 report corrupt streams as OSError without errno)
         refused = isinstance(exc, getattr(tarfile, "FilterError", ()))  # PEP 706, Python 3.11.4+
         what = "refused by tarfile's data filter" if refused else "unreadable archive"
         raise ArchiveError(f"{archive.name}: {what}: {exc}") from exc

@@ -48,13 +48,22 @@ from ignite_ext.data.download._http import (
     RangeMismatch,
     Response,
     RetryableError,
+    SpeedFloor,
     backoff_delay,
     check_scheme,
     open_range,
 )
-from ignite_ext.data.download._job import DeadlinePassed, Job, NoSpace, check_space, progress_bar
-from ignite_ext.data.download._parallel import Segment, fetch_segments, plan_segments
-from ignite_ext.data.download._partial import ORPHAN_MAX_AGE_S, Partial, claim, park
+from ignite_ext.data.download._job import (
+    LOW_SPEED_LIMIT,
+    LOW_SPEED_TIME_S,
+    DeadlinePassed,
+    Job,
+    NoSpace,
+    check_space,
+    progress_bar,
+)
+from ignite_ext.data.download._parallel import fetch_segments, plan_segments
+from ignite_ext.data.download._partial import ORPHAN_MAX_AGE_S, Partial, Segment, claim, park
 from ignite_ext.data.download._verify import CHUNK, expected_digests, is_valid, mismatch, remember_digests
 from ignite_ext.data.download.extract import DEFAULT_MAX_TOTAL_BYTES, archive_stem, extract_archive
 from ignite_ext.errors import ChecksumError, DownloadError
@@ -84,6 +93,8 @@ def download_url(
     connections: int = 1,
     max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES,
     progress: bool = True,
+    low_speed_limit: float = LOW_SPEED_LIMIT,
+    low_speed_time: float = LOW_SPEED_TIME_S,
 ) -> Path:
     """Download ``url`` to ``root/filename`` once per filesystem, verified, atomically and resumably.
 
@@ -107,16 +118,24 @@ def download_url(
             ``<stem>`` is the file name without its archive suffix (``data.tar.gz`` → ``root/data``), and
             return that directory.
         timeout: seconds to wait for a connection or for the next bytes of the body.
-        retries: further attempts per URL after connection errors, timeouts, short bodies, 5xx and 429, with
-            exponential backoff (a short ``Retry-After`` is honoured); each attempt resumes where the last
-            stopped when the server allows it.
+        retries: further attempts per URL after connection errors, timeouts, short bodies, bodies below the
+            low-speed floor, 5xx and 429, with exponential backoff (a short ``Retry-After`` is honoured); each
+            attempt resumes where the last stopped when the server allows it.
         deadline: seconds this process may spend fetching (all attempts and mirrors together, not counting the
-            wait for another process's fetch); None: no bound beyond ``timeout`` per read and ``retries``.
+            wait for another process's fetch); None: no bound beyond ``timeout`` per read, the low-speed floor
+            per attempt and ``retries``.
         connections: fetch a large file over this many concurrent range requests (each at least 4 MiB), when
             the server serves ranges of it and names its version with a strong validator; one stream otherwise.
             Resume, verification and the atomic publish are the same either way.
         max_total_bytes: with ``extract=True``, the bound on the archive's total uncompressed size.
         progress: show a progress bar (only the process that fetches shows one, and only on a terminal).
+        low_speed_limit: the low-speed floor, in bytes per second (curl's ``--speed-limit``): an attempt whose
+            body stays below it for ``low_speed_time`` seconds is given up and counts as a failed attempt (the
+            next one resumes from the bytes held). The default, 1 KiB/s, is far below any link a dataset comes
+            over, yet catches a server that keeps the connection alive with a byte now and then, which ``timeout``
+            cannot see; 0 turns the floor off.
+        low_speed_time: seconds a body may stay below ``low_speed_limit`` (curl's ``--speed-time``); the default,
+            30 s, rides out a stall of TCP retransmissions or a proxy that buffers before the bytes flow again.
 
     Returns:
         The path of the file, or with ``extract=True`` of the directory it was extracted into.
@@ -125,7 +144,8 @@ def download_url(
         ValueError: a URL scheme other than ``http``, ``https`` and ``file``, a malformed digest or filename.
         ChecksumError: every source served bytes with another digest than expected.
         DownloadError: a 404 or other 4xx (no retry), all attempts on all URLs failed, the deadline passed, or
-            the disk cannot hold the file (its message names the URL and the path).
+            the disk cannot hold the file or, with ``extract=True``, its extraction (its message names the URL or
+            the archive, and the path).
         ArchiveError: with ``extract=True``, an unsafe or oversized archive.
 
     Examples:
@@ -141,6 +161,8 @@ def download_url(
         hello.txt b'hello'
 
     .. versionadded:: 0.1.0
+    .. versionchanged:: 0.3.0
+       ``low_speed_limit`` and ``low_speed_time``: a low-speed floor by default.
     """
     urls = [url, *mirrors]
     for each in urls:
@@ -149,6 +171,8 @@ def download_url(
         raise ValueError(
             f"need retries >= 0, timeout > 0 and deadline > 0 or None, got {retries=}, {timeout=}, {deadline=}"
         )
+    if not low_speed_limit >= 0 or not low_speed_time > 0:
+        raise ValueError(f"need low_speed_limit >= 0 and low_speed_time > 0, got {low_speed_limit=}, {low_speed_time=}")
     if isinstance(connections, bool) or not isinstance(connections, int) or not 1 <= connections <= 64:
         raise ValueError(f"connections must be an int from 1 to 64, got {connections!r}")
     expected = expected_digests(sha256=sha256, md5=md5)
@@ -163,7 +187,10 @@ def download_url(
                     raise_shared_failure(target, urls)
                 ends_at = None if deadline is None else time.monotonic() + deadline
                 try:
-                    _fetch(target, urls, Job(expected, timeout, retries, progress, ends_at, connections))
+                    job = Job(
+                        expected, timeout, retries, progress, ends_at, connections, low_speed_limit, low_speed_time
+                    )
+                    _fetch(target, urls, job)
                 except DownloadError as exc:
                     share_failure(target, urls, exc)
                     raise
@@ -305,13 +332,16 @@ def _transfer(url: str, partial: Partial, target: Path, job: Job) -> None:
                     response.validator,
                     timeout=job.timeout,
                     retries=job.retries,
+                    low_speed=(job.low_speed_limit, job.low_speed_time),
                     on_bytes=bar.update,
                     check_deadline=lambda: job.check_deadline(url),
                 )
                 return
+            floor = SpeedFloor(url, job.low_speed_limit, job.low_speed_time)
             while chunk := _read(response.body, url):
-                partial.append(chunk)
+                partial.append(chunk)  # kept before the floor may give up: the next attempt resumes from it
                 bar.update(len(chunk))
+                floor.count(len(chunk))
                 job.check_deadline(url)
     expected_end = response.end if response.end is not None else response.total
     if expected_end is not None and partial.size != expected_end:

@@ -212,7 +212,7 @@ class Heartbeat:
                     if not self._armed(self._beat):
                         return
                     next_beat = time.monotonic() + self._every
-            except Exception:
+            except (RuntimeError, OSError):  # torch's store errors are RuntimeErrors; a bug is not caught here
                 return  # the store is gone (process group destroyed or its host died): nothing left to beat
 
     def _armed(self, beat: Callable[[], bool]) -> bool:
