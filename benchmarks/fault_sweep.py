@@ -500,13 +500,15 @@ def kill_sets(n: int, rng: random.Random | None = None, extra: int = 8) -> list[
     return hosts + sorted(rng.sample(others, min(extra, len(others))))
 
 
-def fault_trials(n: int, fault: str, t: float, rng: random.Random | None = None) -> list[Trial]:
-    """Every kill (or pause) set of :func:`kill_sets` at every moment, with both kinds of store."""
+def fault_trials(
+    n: int, fault: str, t: float, rng: random.Random | None = None, stores: tuple[str, ...] = ("agent", "rank0")
+) -> list[Trial]:
+    """Every kill (or pause) set of :func:`kill_sets` at every moment, with each kind of store in ``stores``."""
     return [
         Trial(n, fault, store, victims, moment, heartbeat_timeout=t)
         for victims in kill_sets(n, rng)
         for moment in MOMENTS
-        for store in ("agent", "rank0")
+        for store in stores
     ]
 
 
@@ -619,6 +621,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--t", type=float, default=3.0, help="heartbeat timeout of the trials")
     parser.add_argument("--faults", default="kill,pause,crash")
+    parser.add_argument("--stores", default="agent,rank0", help="who serves the store: agent, rank0 or both")
     parser.add_argument("--sample", type=int, default=0, help="run this many trials drawn at random (0: all)")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--out", default="", help="also write every trial's result to this JSON file")
@@ -646,7 +649,7 @@ def main(argv: list[str] | None = None) -> int:
         if fault == "crash":
             trials += crash_trials(args.n, args.t, count_requests(args.n, args.t))
         else:
-            trials += fault_trials(args.n, fault, args.t, random.Random(seed))
+            trials += fault_trials(args.n, fault, args.t, random.Random(seed), tuple(args.stores.split(",")))
     if args.sample:
         trials = rng.sample(trials, min(args.sample, len(trials)))
     results = []

@@ -275,6 +275,16 @@ class StoreChannel(Channel):
             self.heartbeat.untick(wake)
             self.client.delete_key(wake)
 
+    def _unless_declared(self, failures: list[RankFailure]) -> list[RankFailure]:
+        """``failures``, unless they name this rank dead: then it raises ``RankDiedError`` (see below).
+
+        A rank stopped for longer than ``T`` may post its outcome before its heartbeat thread, resumed with it,
+        learns of the cut that declared it: the others' records then name it among the dead.
+        """
+        if any(f.rank == self.rank and f.died for f in failures):
+            raise self._declared_dead()
+        return failures
+
     def _check_not_declared(self) -> None:
         if any(self.rank in cut.ranks for cut in self.heartbeat.cuts()):
             raise self._declared_dead()
@@ -485,7 +495,7 @@ class StoreChannel(Channel):
             key = self.keys.outcome(peer)
             outcome = self._wait(lambda k=key: read(self.client, k), f"rank {peer}")  # type: ignore[misc]
             inherited += decode_failures(outcome)
-        return _one_per_rank(inherited)
+        return self._unless_declared(_one_per_rank(inherited))
 
     def _leave(self, own: list[RankFailure], inherited: list[RankFailure], linger: bool) -> list[RankFailure]:
         self._check_not_declared()
@@ -512,7 +522,7 @@ class StoreChannel(Channel):
             self._ack()
         elif linger:
             Lingering.hold(self.store, self.keys, self.world_size - 1)
-        return _one_per_rank(found)
+        return self._unless_declared(_one_per_rank(found))
 
     def _left(self, exits: int) -> int | None:
         """``exits`` when it says every rank has left (or the block was ended after a loss), else None."""

@@ -1,5 +1,5 @@
-"""The download lock (a POSIX record lock, the kind NFS and GPFS make coherent), what waiting processes say, the
-failure they share, and where a file came from."""
+"""The download lock (a POSIX record lock, the kind NFS and GPFS make coherent), what waiting processes say, whom
+they wait for how long, the failure they share, and where a file came from."""
 
 from __future__ import annotations
 
@@ -52,14 +52,24 @@ _HOLDER = textwrap.dedent(
     lock.release()
     """
 )
+# Holds the lock as a program that is not a download does: the standard library's lockf, nothing written.
+_BARE_HOLDER = textwrap.dedent(
+    """
+    import fcntl, os, sys, time
+    fd = os.open(sys.argv[1], os.O_CREAT | os.O_RDWR, 0o666)
+    fcntl.lockf(fd, fcntl.LOCK_EX)
+    print("held", flush=True)
+    time.sleep(float(sys.argv[2]))
+    """
+)
 
 
 def _probe(path: Path) -> int:
     return subprocess.run([sys.executable, "-c", _PROBE, str(path)], timeout=60).returncode
 
 
-def _hold(path: Path, seconds: float) -> subprocess.Popen[str]:
-    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, str(path), str(seconds)], stdout=subprocess.PIPE, text=True)
+def _hold(path: Path, seconds: float, script: str = _HOLDER) -> subprocess.Popen[str]:
+    proc = subprocess.Popen([sys.executable, "-c", script, str(path), str(seconds)], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
     return proc
 
@@ -131,6 +141,82 @@ def test_a_waiting_process_says_whom_it_waits_for_and_when_it_takes_over(
     assert lines[0] == f"waiting for a test (held by {socket.gethostname()} pid {proc.pid})", lines
     assert any(line.startswith("still waiting (") for line in lines), lines
     assert lines[-1] == f"took over: {path.name} is free"
+
+
+@pytest.mark.distributed
+def test_a_process_of_this_user_is_waited_for_past_the_bound(tmp_path: Path) -> None:
+    path = tmp_path / ".a.bin.lock"
+    proc = _hold(path, 3.0, _BARE_HOLDER)  # this user's, but not this package: it writes nothing, never beats
+    try:
+        started = time.monotonic()
+        with _locks.exclusive(path, "a test", logging.getLogger("test"), patience_s=0.5) as waited:
+            took = time.monotonic() - started
+            assert waited
+    finally:
+        proc.wait(30)
+    assert proc.returncode == 0 and took > 4 * 0.5
+
+
+@pytest.mark.distributed
+def test_a_wait_given_up_on_never_keeps_the_lock_and_is_adopted_by_the_next_call(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Taken for another user's (as the second-user test of test_download_neighbours.py does for real): given up.
+    monkeypatch.setattr(_locks, "_identify", lambda fd: ("pid 1 on this host (user x, y)", True))
+    path = tmp_path / ".a.bin.lock"
+    proc = _hold(path, 60, _BARE_HOLDER)
+    try:
+        started = time.monotonic()
+        with (
+            pytest.raises(_locks.LockWaitExpired, match=r"gave up after \d+ s waiting for a test: .*for 0.5 s"),
+            _locks.exclusive(path, "a test", logging.getLogger("test"), patience_s=0.5),
+        ):
+            pass
+        assert 0.5 <= time.monotonic() - started < 10
+        with pytest.raises(_locks.LockWaitExpired):  # the next call adopts the pending F_SETLKW: no second one
+            _locks.RecordLock(str(path)).wait(0.2, lambda who: None)
+        assert not _locks.RecordLock(str(path)).acquire(blocking=False)
+        assert [t.name for t in threading.enumerate()].count("ignite_ext-lock-wait") == 1
+    finally:
+        proc.kill()
+        proc.wait(30)
+    deadline = time.monotonic() + 30  # the abandoned F_SETLKW got the lock when the holder died, and let go of it
+    while _probe(path) != 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _probe(path) == 0
+    lock = _locks.RecordLock(str(path))
+    assert lock.acquire(blocking=False)
+    lock.release()
+
+
+@pytest.mark.distributed
+def test_this_users_downloads_wait_for_its_download_in_progress_past_their_bound_and_fetch_once(
+    server: TestHTTPServer, tmp_path: Path
+) -> None:
+    url = server.add("/a.bin", DATA)
+    # The fetch's first answer is a 503 with Retry-After: 8 s: the fetcher holds the lock 8 s without a byte.
+    server.fault("/a.bin", status=503, retry_after="8", times=1)
+    cmd = [sys.executable, "-m", "ignite_ext", "download", url, "--root", str(tmp_path), "--sha256", SHA]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    lock = tmp_path / ".a.bin.lock"
+    deadline = time.monotonic() + 30
+    while _locks.holder(lock) is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    started = time.monotonic()
+    # Their bound for another user's lock: min(deadline, 2 * (30 + 30)) = 3 s; it does not apply to this user's.
+    waiter = [*cmd, "--deadline", "3"]
+    others = [
+        subprocess.Popen(waiter, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=90) for p in (first, *others)]
+    took = time.monotonic() - started
+    assert [p.returncode for p in (first, *others)] == [0, 0, 0], outs
+    assert {out.strip() for out, _ in outs} == {str(tmp_path / "a.bin")}
+    assert len(server.requests("/a.bin")) == 2 and server.bytes_served("/a.bin") == len(DATA)  # one fetch
+    for _, err in outs[1:]:
+        assert "waiting for another process's download" in err and "took over" in err and "gave up" not in err, err
+    assert took > 2 * 3.0
 
 
 def _fetch_failing(url: str, root: str) -> dict[str, Any]:

@@ -75,8 +75,17 @@ def test_a_rank_dead_at_any_request_of_a_shared_path_block_is_reported_by_every_
     assert not failed, failed
 
 
-def test_a_paused_rank_raises_rank_died_and_does_not_carry_on() -> None:
-    _passes(run_trial(Trial(4, "pause", "agent", (2,), "first-runs", heartbeat_timeout=T)))
+@pytest.mark.parametrize(
+    ("paused", "moment"),
+    [
+        ((2,), "first-runs"),
+        # Rank 0 posted its outcome on resuming, before its heartbeat learnt of the cut naming it, and then read
+        # its own death in the others' records: it raised RankFailedError naming itself instead of RankDiedError.
+        ((0, 1), "later-run"),
+    ],
+)
+def test_a_paused_rank_raises_rank_died_and_does_not_carry_on(paused: tuple[int, ...], moment: str) -> None:
+    _passes(run_trial(Trial(4, "pause", "agent", paused, moment, heartbeat_timeout=T)))
 
 
 def test_a_seeded_sample_of_the_whole_scope() -> None:

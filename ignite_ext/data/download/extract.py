@@ -90,7 +90,8 @@ def extract_archive(
         ArchiveError: an unsafe member (absolute path, ``..``, a link leaving ``dest_dir``, a member inside a
             link, a device or fifo), a total size above ``max_total_bytes``, or an unsupported suffix.
         DownloadError: the disk failed the extraction (full, over quota, an I/O error): an :class:`OSError` with
-            the ``errno`` of the failure; what was extracted so far is removed.
+            the ``errno`` of the failure; what was extracted so far is removed. Or another user's process held the
+            extraction lock for :data:`~ignite_ext._locks.PATIENCE_S` seconds (the message names it).
         FileExistsError: ``dest_dir`` exists, is not empty and was not made by this function.
 
     Examples:

@@ -2,11 +2,13 @@
 
 How one file gets from a URL to ``root/filename``, whatever else runs at the same time:
 
-* **Lock, only to save work.** Callers for the same target take an exclusive ``flock`` on ``root/.<name>.lock``
-  (:class:`filelock.FileLock`); one fetches, the others wait and then find the verified file. The kernel drops a
-  ``flock`` when its holder dies, so a killed process never leaves a lock that blocks the next call. Nothing
-  below depends on the lock: where ``flock`` silently succeeds for everyone (some NFS, Lustre and GPFS mounts)
-  several callers fetch, and every one of them still publishes a complete, verified file.
+* **Lock, only to save work.** Callers for the same target take an exclusive POSIX record lock on
+  ``root/.<name>.lock`` (:mod:`ignite_ext._locks`); one fetches, the others wait and then find the verified file.
+  The kernel drops the lock when its holder dies, so a killed process never leaves a lock that blocks the next
+  call; a lock another user's process holds is waited for at most ``2 * (timeout + low_speed_time)`` seconds
+  (``deadline`` when shorter). Nothing below depends on the lock: where locking silently succeeds for everyone
+  (some NFS, Lustre and GPFS mounts) several callers fetch, and every one of them still publishes a complete,
+  verified file.
 * **Private temp files, atomic publish.** Each writer writes ``root/.<name>.<host>.<pid>.<random>.tmp``, a name
   no one else writes, created with mode ``0o666`` so the umask decides the published file's mode. It is
   fsynced, its digests checked, renamed over the target with :func:`os.replace` and the directory fsynced. The
@@ -32,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import math
 import os
 import re
 import time
@@ -41,7 +44,7 @@ from pathlib import Path
 from typing import IO
 
 from ignite_ext._fs import fsync_dir, sidecar_stem, unlink
-from ignite_ext._locks import exclusive
+from ignite_ext._locks import LockWaitExpired, exclusive
 from ignite_ext.data.download._failures import forget_failure, raise_shared_failure, share_failure
 from ignite_ext.data.download._http import (
     FatalHTTPError,
@@ -123,7 +126,7 @@ def download_url(
             attempt resumes where the last stopped when the server allows it.
         deadline: seconds this process may spend fetching (all attempts and mirrors together, not counting the
             wait for another process's fetch); None: no bound beyond ``timeout`` per read, the low-speed floor
-            per attempt and ``retries``.
+            per attempt and ``retries``. Also bounds the wait for a lock that another user's process holds.
         connections: fetch a large file over this many concurrent range requests (each at least 4 MiB), when
             the server serves ranges of it and names its version with a strong validator; one stream otherwise.
             Resume, verification and the atomic publish are the same either way.
@@ -145,7 +148,9 @@ def download_url(
         ChecksumError: every source served bytes with another digest than expected.
         DownloadError: a 404 or other 4xx (no retry), all attempts on all URLs failed, the deadline passed, or
             the disk cannot hold the file or, with ``extract=True``, its extraction (its message names the URL or
-            the archive, and the path).
+            the archive, and the path). Or another user's process on this host held the file's lock for
+            ``2 * (timeout + low_speed_time)`` seconds (``deadline`` when shorter): the message names the lock file
+            and that process (pid, user, command); a lock of this user's processes is waited for as before.
         ArchiveError: with ``extract=True``, an unsafe or oversized archive.
 
     Examples:
@@ -162,7 +167,8 @@ def download_url(
 
     .. versionadded:: 0.1.0
     .. versionchanged:: 0.3.0
-       ``low_speed_limit`` and ``low_speed_time``: a low-speed floor by default.
+       ``low_speed_limit`` and ``low_speed_time``: a low-speed floor by default. The wait for a lock that another
+       user's process holds is bounded.
     """
     urls = [url, *mirrors]
     for each in urls:
@@ -179,22 +185,28 @@ def download_url(
     root_dir = Path(root).expanduser()
     root_dir.mkdir(parents=True, exist_ok=True)
     target = root_dir / _target_name(url, filename)
+    # Twice the longest one attempt of this call may go without progress: a stranger's lock is given up after it.
+    patience_s = min(2.0 * (timeout + low_speed_time), deadline or math.inf)
     if not is_valid(target, expected, urls):
-        with exclusive(_lock_path(target), f"another process's download of {target}", logger) as waited:
-            # Whoever held the lock before us may have just published it, or just failed.
-            if not is_valid(target, expected, urls):
-                if waited:
-                    raise_shared_failure(target, urls)
-                ends_at = None if deadline is None else time.monotonic() + deadline
-                try:
-                    job = Job(
-                        expected, timeout, retries, progress, ends_at, connections, low_speed_limit, low_speed_time
-                    )
-                    _fetch(target, urls, job)
-                except DownloadError as exc:
-                    share_failure(target, urls, exc)
-                    raise
-                forget_failure(target)
+        try:
+            with exclusive(_lock_path(target), f"another process's download of {target}", logger, patience_s) as waited:
+                # Whoever held the lock before us may have just published it, or just failed.
+                if not is_valid(target, expected, urls):
+                    if waited:
+                        raise_shared_failure(target, urls)
+                    ends_at = None if deadline is None else time.monotonic() + deadline
+                    try:
+                        job = Job(
+                            expected, timeout, retries, progress, ends_at, connections, low_speed_limit, low_speed_time
+                        )
+                        _fetch(target, urls, job)
+                    except DownloadError as exc:
+                        share_failure(target, urls, exc)
+                        raise
+                    forget_failure(target)
+        except LockWaitExpired as exc:  # only the wait for the lock raises it
+            if not is_valid(target, expected, urls):  # the file may have come meanwhile (from a writer without it)
+                raise DownloadError(f"{url}: {exc}", url=url) from exc
     if not extract:
         return target
     return extract_archive(target, root_dir / archive_stem(target.name), max_total_bytes=max_total_bytes)
