@@ -45,6 +45,7 @@ import os
 import random
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -591,7 +592,7 @@ def write_results(results: list[TrialResult], seed: int | str, seconds: float) -
     here = Path(__file__).parent
     passed = sum(not r.violations for r in results)
     summary = (
-        f"{passed} of {len(results)} trials kept every invariant (seeds {seed}, {seconds / 60:.0f} min on "
+        f"{passed} of {len(results)} trials kept every invariant (seeds and commits {seed}, {seconds / 60:.0f} min on "
         f"{os.cpu_count()} cores). Detection is measured from the fault to each survivor's error; it includes what "
         f"the survivor still had to finish first (up to {WORK_S:g} s of work in block A). Empty: the store went "
         "with rank 0's process (the survivors raise StoreLostError at once) or nothing was lost (a crash point "
@@ -608,12 +609,22 @@ def write_results(results: list[TrialResult], seed: int | str, seconds: float) -
     (here.parent / "docs" / "fault_sweep_results.rst").write_text("\n".join([*rst, "", summary, ""]))
 
 
+def _commit() -> str:
+    """The checkout's commit, as the results name the code they measured."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return out.stdout.strip()
+
+
 def _save(path: str, seed: int, seconds: float, results: list[TrialResult]) -> None:
     rows = [
         {"trial": asdict(r.trial), "violations": r.violations, "detection": r.detection, "fired": r.fired_at}
         for r in results
     ]
-    Path(path).write_text(json.dumps({"seed": seed, "seconds": seconds, "results": rows}, indent=1))
+    saved = {"seed": seed, "commit": _commit(), "seconds": seconds, "results": rows}
+    Path(path).write_text(json.dumps(saved, indent=1))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -632,7 +643,7 @@ def main(argv: list[str] | None = None) -> int:
         loaded, seeds, seconds = [], [], 0.0
         for path in args.table:
             saved = json.loads(Path(path).read_text())
-            seeds.append(str(saved["seed"]))
+            seeds.append(f"{saved['seed']} at {saved.get('commit', 'unknown')}")
             seconds += saved.get("seconds", 0.0)
             for row in saved["results"]:
                 trial = Trial(**{**row["trial"], "victims": tuple(row["trial"]["victims"])})
@@ -663,7 +674,7 @@ def main(argv: list[str] | None = None) -> int:
         status = "ok" if not res.violations else "VIOLATED: " + "; ".join(res.violations)
         print(f"[sweep] {i + 1}/{len(trials)} {trial.describe()}: {worst:.2f} s, {status}", flush=True)
     if args.write:
-        write_results(results, seed, time.monotonic() - started)
+        write_results(results, f"{seed} at {_commit()}", time.monotonic() - started)
     failed = [r for r in results if r.violations]
     print(f"[sweep] {len(results) - len(failed)} of {len(results)} trials kept every invariant (seed {seed})")
     return 1 if failed else 0
