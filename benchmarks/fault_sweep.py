@@ -595,8 +595,9 @@ def write_results(results: list[TrialResult], seed: int | str, seconds: float) -
         f"{passed} of {len(results)} trials kept every invariant (seeds and commits {seed}, {seconds / 60:.0f} min on "
         f"{os.cpu_count()} cores). Detection is measured from the fault to each survivor's error; it includes what "
         f"the survivor still had to finish first (up to {WORK_S:g} s of work in block A). Empty: the store went "
-        "with rank 0's process (the survivors raise StoreLostError at once) or nothing was lost (a crash point "
-        "the run did not reach, a pause nobody needed)."
+        "with rank 0's process (the survivors raise StoreLostError at once), nothing was lost (a crash point "
+        "the run did not reach), or a pause (not timed: its check is that the paused ranks raise RankDiedError "
+        "when they resume and that every survivor names exactly them)."
     )
     (here / "results" / "fault_sweep.json").write_text(json.dumps({"seed": seed, "rows": rows, "summary": summary}))
     keys = list(rows[0])

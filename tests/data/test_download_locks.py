@@ -74,6 +74,15 @@ def _hold(path: Path, seconds: float, script: str = _HOLDER) -> subprocess.Popen
     return proc
 
 
+def _holding(cmd: list[str], env: dict[str, str], lock: Path) -> subprocess.Popen[str]:
+    """Start the download ``cmd`` and return once it holds ``lock`` (within 30 s)."""
+    first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 30
+    while _locks.holder(lock) is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return first
+
+
 @pytest.mark.distributed
 def test_the_lock_is_a_record_lock_that_other_processes_see(tmp_path: Path) -> None:
     # flock and record locks do not see each other on a local Linux filesystem: this fails for an flock.
@@ -198,11 +207,7 @@ def test_this_users_downloads_wait_for_its_download_in_progress_past_their_bound
     server.fault("/a.bin", status=503, retry_after="8", times=1)
     cmd = [sys.executable, "-m", "ignite_ext", "download", url, "--root", str(tmp_path), "--sha256", SHA]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    lock = tmp_path / ".a.bin.lock"
-    deadline = time.monotonic() + 30
-    while _locks.holder(lock) is None and time.monotonic() < deadline:
-        time.sleep(0.02)
+    first = _holding(cmd, env, tmp_path / ".a.bin.lock")
     started = time.monotonic()
     # Their bound for another user's lock: min(deadline, 2 * (30 + 30)) = 3 s; it does not apply to this user's.
     waiter = [*cmd, "--deadline", "3"]
@@ -268,11 +273,7 @@ def test_cli_prologues_say_whom_they_wait_for_unless_quiet(server: TestHTTPServe
     server.fault("/a.bin", trickle_bps=100_000, times=1)  # the first fetch takes ~2 s
     cmd = [sys.executable, "-m", "ignite_ext", "download", url, "--root", str(tmp_path), "--sha256", SHA]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    lock = tmp_path / ".a.bin.lock"
-    deadline = time.monotonic() + 30
-    while _locks.holder(lock) is None and time.monotonic() < deadline:
-        time.sleep(0.02)
+    first = _holding(cmd, env, tmp_path / ".a.bin.lock")
     others = [
         subprocess.Popen([*cmd, *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         for flags in ([], ["--quiet"])
