@@ -322,11 +322,11 @@ class StoreChannel(Channel):
             for failure in failures:
                 if failure.rank not in self.dead:
                     self.dead.add(failure.rank)
-                    self._declare_dead(failure, failures, cut.silent_s)
+                    self._declare_dead(failure, failures)
         self._cuts_seen = len(cuts)
         return True
 
-    def _declare_dead(self, failure: RankFailure, together: list[RankFailure], silent_for: float) -> None:
+    def _declare_dead(self, failure: RankFailure, together: list[RankFailure]) -> None:
         """Post ``failure.rank``'s outcome as its death; those waiting for it learn of all who died ``together``.
 
         The outcome ends with the declaring rank, so that of several ranks declaring the same death exactly one
@@ -342,9 +342,9 @@ class StoreChannel(Channel):
             return
         posted = decode_failures(self.client.get(self.keys.outcome(peer)))
         if not any(f.rank == peer and f.died for f in posted):
-            self._lost_leaving(failure, silent_for)
+            self._lost_leaving(failure)
 
-    def _lost_leaving(self, death: RankFailure, silent_for: float) -> None:
+    def _lost_leaving(self, death: RankFailure) -> None:
         """``death.rank`` died after posting its outcome: maybe before counting its exit, which everyone waits for.
 
         Nobody can tell whether that count happened, so its failure is recorded without an exit and ``exits``
