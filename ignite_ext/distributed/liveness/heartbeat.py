@@ -21,6 +21,7 @@ The cost of a failure: per suspicion, two reads of ``N`` counters by each watche
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 import time
@@ -69,7 +70,6 @@ class Heartbeat:
         self._store = weakref.ref(store)
         self._client = clone(store)
         self.rank = rank
-        self._count = 0
         self._every = beat_interval()
         self._port = store_port(self._client)
         self._pending: list[str] = []
@@ -82,7 +82,9 @@ class Heartbeat:
         put_once(self._client, CUTS_KEY, b"0")
         self._beat()
         if start:
-            threading.Thread(target=self._run, name="ignite_ext-heartbeat", daemon=True).start()
+            self._thread = threading.Thread(target=self._run, name="ignite_ext-heartbeat", daemon=True)
+            self._thread.start()
+            _stop_at_exit(self)
 
     @classmethod
     def ensure(cls, store: Store, rank: int, world_size: int) -> Heartbeat:
@@ -122,7 +124,6 @@ class Heartbeat:
         if self._store() is None:
             return False
         client, detector = self._client, self._detector
-        self._count += 1
         client.add(heartbeat_key(self.rank), 1)
         watched = detector.watched
         if watched is not None and watched != self._created:
@@ -208,6 +209,8 @@ class Heartbeat:
                 wait = min(until_tick, max(0.0, next_beat - time.monotonic()))
                 self._wake.wait(wait)
                 self._wake.clear()
+                if _STOPPING.is_set():
+                    return
                 if time.monotonic() >= next_beat:
                     if not self._armed(self._beat):
                         return
@@ -225,6 +228,29 @@ class Heartbeat:
             return beat()
         finally:
             dog.disarm(token)
+
+
+_STOPPING = threading.Event()
+_RUNNING: weakref.WeakSet[Heartbeat] = weakref.WeakSet()
+
+
+def _stop_at_exit(heartbeat: Heartbeat) -> None:
+    if not _RUNNING:
+        atexit.register(_stop_beating)
+    _RUNNING.add(heartbeat)
+
+
+def _stop_beating() -> None:
+    """At interpreter exit, end the beat threads before the interpreter freezes its daemon threads.
+
+    A daemon thread frozen inside a store call (the store's host gone at the same moment, as when rank 0 exits
+    first) can abort the process ("terminate called without an active exception") as its C++ frames unwind; a
+    thread that has returned cannot. Each is woken and given at most a second to finish its beat.
+    """
+    _STOPPING.set()
+    for heartbeat in list(_RUNNING):
+        heartbeat._wake.set()
+        heartbeat._thread.join(timeout=1.0)
 
 
 _WATCHING = threading.Event()
