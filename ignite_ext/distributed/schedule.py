@@ -274,6 +274,7 @@ def _block(channel: Channel, order: object, timeout: float | None, state: GroupS
         # that nobody waits for it.
         explained = channel.explain(exc)
         if explained is None:
+            channel.leave([_failure(rank, exc)], [], linger=False)  # its own failure, so nobody waits for it
             raise
         channel.leave([], list(explained.failures))
         raise explained from exc
