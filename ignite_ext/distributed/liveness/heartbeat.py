@@ -42,7 +42,8 @@ from ignite_ext.distributed._store import (
     read,
 )
 from ignite_ext.distributed.liveness.detector import Cut, Detector
-from ignite_ext.distributed.liveness.settings import beat_interval, early_heartbeat, heartbeat_timeout
+from ignite_ext.distributed.liveness.settings import beat_interval, early_heartbeat, heartbeat_timeout, process_watch
+from ignite_ext.distributed.liveness.watch import CutListener, KeeperHandle, wire_address
 
 __all__ = ["Heartbeat", "watch_for_groups"]
 
@@ -79,9 +80,17 @@ class Heartbeat:
         self._cuts: list[Cut] = []
         self._detector = Detector(rank, world_size, heartbeat_timeout(), clock(), early_heartbeat())
         self._created: int | None = None  # the watched rank whose counter this thread made sure exists
+        self._urgent = threading.Event()  # a cut was posted: beat now
+        self._heard = 0  # the highest cut number the listener saw posted (its counter may move a moment later)
+        self._keeper: KeeperHandle | None = None
+        self._listener: CutListener | None = None
+        self._watch_tries = _WATCH_TRIES if start and process_watch() else 0
+        self._next_try = 0.0  # when _start_watching tries again (monotonic)
+        self._ended = threading.Lock()
         put_once(self._client, CUTS_KEY, b"0")
         self._beat()
         if start:
+            self._start_watching()
             self._thread = threading.Thread(target=self._run, name="ignite_ext-heartbeat", daemon=True)
             self._thread.start()
             _stop_at_exit(self)
@@ -132,7 +141,7 @@ class Heartbeat:
         keys = [CUTS_KEY] if watched is None else [CUTS_KEY, heartbeat_key(watched)]
         values = client.multi_get(keys)
         now = self._clock()
-        self._learn(int(values[0]), now)
+        self._learn(int(values[0]), self._heard, now)
         # A rank in a cut (it was stopped or cut off) proposes none: its view of the others' silence is stale.
         alive = not any(self.rank in cut.ranks for cut in self._cuts)
         suspect = (
@@ -160,10 +169,16 @@ class Heartbeat:
             beats[r] = None if value is None else int(value)
         return beats
 
-    def _learn(self, posted: int, now: float) -> None:
-        """Read the cuts posted since the last beat, adopt them, and wake this process's waiters."""
-        while len(self._cuts) < posted:
+    def _learn(self, counted: int, heard: int, now: float) -> None:
+        """Read the cuts posted since the last beat, adopt them, and wake this process's waiters.
+
+        ``counted`` is the group's cut counter, ``heard`` the highest cut whose key the listener saw written: its
+        poster moves the counter right after, and this rank does it in its stead (one ``compare_set``, once).
+        """
+        while len(self._cuts) < max(counted, heard):
             index = len(self._cuts) + 1
+            if index > counted:
+                self._client.compare_set(CUTS_KEY, str(index - 1), str(index))
             self._adopt(Cut.decode(index, bytes(self._client.get(cut_key(index)))), now)
 
     def _propose(self, ranks: tuple[int, ...], silent: float) -> None:
@@ -190,6 +205,38 @@ class Heartbeat:
             for key in due:  # every waiter of this process declares the cut in its block
                 put(self._client, key, b"t")
 
+    def _start_watching(self) -> None:
+        """Start the keeper and the cut listener once the store's wire address is known (rank 0 publishes it).
+
+        Rank 0 publishes it as its group forms, as the others look for it: they look again after 0.1 s, then
+        after twice as long each time (at most a beat), :data:`_WATCH_TRIES` times in all (one read each).
+        """
+        if not self._watch_tries or time.monotonic() < self._next_try:
+            return
+        self._watch_tries -= 1
+        address = wire_address(self._client, self.rank)
+        if address is None:
+            tried = _WATCH_TRIES - self._watch_tries
+            self._next_try = time.monotonic() + min(self._every, 0.1 * 2 ** (tried - 1))
+            return
+        self._watch_tries = 0
+        self._listener = CutListener(address, len(self._cuts) + 1, self._on_cut)
+        self._keeper = KeeperHandle(address, self.rank, self._detector.world_size, self._every)
+
+    def _on_cut(self, index: int) -> None:
+        self._heard = max(self._heard, index)
+        self._urgent.set()
+        self._wake.set()
+
+    def _end_watching(self) -> None:
+        """Say goodbye to the keeper and end the listener (a normal end: the rank is not declared for it)."""
+        if not self._ended.acquire(blocking=False):
+            return
+        if self._keeper is not None:
+            self._keeper.stop()
+        if self._listener is not None:
+            self._listener.close()
+
     def _fire_ticks(self) -> float:
         """Set the wake keys whose time has come; return the seconds until the next one."""
         now = time.monotonic()
@@ -202,18 +249,30 @@ class Heartbeat:
         return max(0.0, upcoming - now)
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            self._end_watching()
+
+    def _loop(self) -> None:
         next_beat = time.monotonic() + self._every
         while True:
             try:
                 until_tick = self._fire_ticks()
+                if self._watch_tries:
+                    self._start_watching()
+                    until_tick = min(until_tick, max(0.0, self._next_try - time.monotonic()))
                 wait = min(until_tick, max(0.0, next_beat - time.monotonic()))
                 self._wake.wait(wait)
                 self._wake.clear()
                 if _STOPPING.is_set():
                     return
-                if time.monotonic() >= next_beat:
+                if time.monotonic() >= next_beat or self._urgent.is_set():
+                    self._urgent.clear()
                     if not self._armed(self._beat):
                         return
+                    if self._keeper is not None:
+                        self._keeper.beat()
                     next_beat = time.monotonic() + self._every
             except (RuntimeError, OSError):  # torch's store errors are RuntimeErrors; a bug is not caught here
                 return  # the store is gone (process group destroyed or its host died): nothing left to beat
@@ -230,6 +289,8 @@ class Heartbeat:
             dog.disarm(token)
 
 
+#: How often a rank other than 0 looks for the wire prefix rank 0 publishes, before it does without a keeper.
+_WATCH_TRIES = 16
 _STOPPING = threading.Event()
 _RUNNING: weakref.WeakSet[Heartbeat] = weakref.WeakSet()
 
@@ -251,6 +312,7 @@ def _stop_beating() -> None:
     for heartbeat in list(_RUNNING):
         heartbeat._wake.set()
         heartbeat._thread.join(timeout=1.0)
+        heartbeat._end_watching()
 
 
 _WATCHING = threading.Event()

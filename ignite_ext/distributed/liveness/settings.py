@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["beat_interval", "early_heartbeat", "env_float", "heartbeat_timeout", "log_interval"]
+__all__ = ["beat_interval", "early_heartbeat", "env_float", "heartbeat_timeout", "log_interval", "process_watch"]
 
 
 def env_float(name: str, default: float) -> float:
@@ -82,3 +82,19 @@ def early_heartbeat() -> bool:
     .. versionadded:: 0.3.0
     """
     return os.environ.get("IGNITE_EXT_EARLY_HEARTBEAT", "1") != "0"
+
+
+def process_watch() -> bool:
+    """Whether each rank runs a keeper process and hears of cuts at once (``IGNITE_EXT_PROCESS_WATCH``, on).
+
+    See :mod:`~ignite_ext.distributed.liveness.keeper`. Off (``0``), a death is found by its silence only (within
+    ``4/3 T``) and a rank whose heartbeat thread cannot run for ``T`` (a long GIL hold) is declared dead.
+
+    Examples:
+        >>> from ignite_ext.distributed.liveness.settings import process_watch
+        >>> process_watch()
+        True
+
+    .. versionadded:: 0.3.0
+    """
+    return os.environ.get("IGNITE_EXT_PROCESS_WATCH", "1") != "0"

@@ -1,0 +1,222 @@
+"""The rank's side of process watching: its keeper process, and a thread that hears of each cut at once.
+
+:mod:`~ignite_ext.distributed.liveness.keeper` says what a keeper does. Here the heartbeat finds how to reach its
+store without torch (:func:`wire_address`), proves it (the keeper's client must read what torch's wrote), starts
+the keeper (:class:`KeeperHandle`) and a :class:`CutListener`: a thread blocked on the key of the group's next cut,
+so that a cut wakes this process's waiters when it is posted, not at the next beat. Both cost nothing while nothing
+fails: the keeper makes no request while its rank beats, the listener one request per cut.
+
+.. versionadded:: 0.3.0
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import subprocess
+import sys
+import threading
+import uuid
+from collections.abc import Callable
+
+from ignite_ext.distributed._store import CUTS_KEY, Store, cut_key, put_once, read
+from ignite_ext.distributed.liveness import keeper
+from ignite_ext.distributed.liveness.keeper import WireStore
+
+__all__ = ["PREFIX_KEY", "Address", "CutListener", "KeeperHandle", "wire_address"]
+
+_log = logging.getLogger(__name__)
+
+#: Where rank 0 publishes the prefix its group's keys carry on the wire (``p:`` and the prefix).
+PREFIX_KEY = "ignite_ext/wire_prefix"
+
+#: A store as the wire sees it: host, port and the prefix before each key.
+Address = tuple[str, int, str]
+
+
+def _raw(store: Store) -> Store:
+    while hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    return store
+
+
+def _discover(store: Store, raw: Store) -> str | None:
+    """The prefix ``store`` puts before keys, found by writing a probe key through it and listing the server's keys.
+
+    One ``list_keys`` (``O(N)`` keys at the group's start), by rank 0 only: the others read what it publishes.
+    """
+    probe = f"ignite_ext/probe/{uuid.uuid4().hex}"
+    store.set(probe, "1")
+    try:
+        keys = [k for k in raw.list_keys() if k.endswith(probe)]
+    except (AttributeError, RuntimeError):
+        return None  # a server without list_keys
+    finally:
+        store.delete_key(probe)
+    return keys[0][: -len(probe)] if len(keys) == 1 else None
+
+
+def _published_prefix(store: Store, raw: Store, rank: int) -> str | None:
+    """The prefix rank 0 published; rank 0 finds and publishes it (None: not published yet, or not found)."""
+    published = read(store, PREFIX_KEY)
+    if published is not None:
+        return published.decode()[2:]
+    if rank != 0:
+        return None
+    prefix = _discover(store, raw)
+    if prefix is not None:
+        put_once(store, PREFIX_KEY, b"p:" + prefix.encode())
+    return prefix
+
+
+def wire_address(store: Store, rank: int) -> Address | None:
+    """How a :class:`~ignite_ext.distributed.liveness.keeper.WireStore` reaches ``store``, once that is proven.
+
+    None when ``store`` is not served by a TCPStore, when the prefix is not known yet (ranks other than 0 wait for
+    rank 0 to publish it: call again at a later beat) or when the wire client does not read what torch wrote.
+
+    Args:
+        store: the group's store.
+        rank: this rank (rank 0 finds the prefix, the others read it).
+
+    Examples:
+        >>> import datetime
+        >>> import torch.distributed as dist
+        >>> from ignite_ext.distributed.liveness.watch import wire_address
+        >>> server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=5), wait_for_workers=False)
+        >>> job = dist.PrefixStore("job", server)
+        >>> job.set("ignite_ext/cuts", "0")
+        >>> wire_address(job, rank=0) == ("127.0.0.1", server.port, "job/")
+        True
+        >>> wire_address(dist.HashStore(), rank=0) is None
+        True
+
+    .. versionadded:: 0.3.0
+    """
+    raw = _raw(store)
+    host, port = getattr(raw, "host", None), getattr(raw, "port", None)
+    if not isinstance(host, str) or not isinstance(port, int):
+        return None
+    prefix = "" if raw is store else _published_prefix(store, raw, rank)
+    if prefix is None:
+        return None
+    address = (host, port, prefix)
+    try:
+        wire = WireStore(*address, timeout=10.0)
+        try:
+            expected = read(store, CUTS_KEY)
+            proven = expected is not None and wire.read(CUTS_KEY) == expected
+        finally:
+            wire.close()
+    except (OSError, ValueError):
+        proven = False
+    if not proven:
+        _log.debug("ignite_ext: no process watching: the store's wire protocol or key prefix is not the expected one")
+        return None
+    return address
+
+
+class KeeperHandle:
+    """This rank's keeper process: started here, told of each beat, said goodbye to at a normal end.
+
+    Args:
+        address: the store, as :func:`wire_address` found it.
+        rank: this rank.
+        world_size: the group's size.
+        every: the beat interval in seconds.
+
+    Examples:
+        >>> import datetime, os
+        >>> import torch.distributed as dist
+        >>> from ignite_ext.distributed.liveness.watch import KeeperHandle
+        >>> server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=5), wait_for_workers=False)
+        >>> handle = KeeperHandle(("127.0.0.1", server.port, ""), rank=0, world_size=2, every=0.5)
+        >>> _ = server.wait(["ignite_ext/proc/0"])  # the keeper is up
+        >>> handle.beat(); handle.stop()
+        0
+
+    .. versionadded:: 0.3.0
+    """
+
+    def __init__(self, address: Address, rank: int, world_size: int, every: float) -> None:
+        host, port, prefix = address
+        beats, self._out = os.pipe()
+        os.set_blocking(self._out, False)  # a keeper that does not read must never block a beat
+        args = [host, str(port), prefix, str(rank), str(world_size), str(os.getpid()), str(beats), str(every)]
+        try:
+            # -I -S: the standard library only, nothing of the rank's environment (and no torch to import)
+            self._process = subprocess.Popen(
+                [sys.executable, "-I", "-S", keeper.__file__, *args], pass_fds=(beats,), stdin=subprocess.DEVNULL
+            )
+        finally:
+            os.close(beats)
+        self._owner = os.getpid()  # a forked child (a DataLoader worker) holds a copy of the pipe: never its goodbye
+
+    def beat(self) -> None:
+        """Tell the keeper the rank's heartbeat thread runs."""
+        try:
+            os.write(self._out, b".")
+        except OSError:  # a full pipe (the keeper reads later) or a keeper gone: nothing to tell
+            pass
+
+    def stop(self) -> int | None:
+        """Say goodbye (a normal end, not a death), and return the keeper's exit status (None: not ended yet)."""
+        if os.getpid() != self._owner or self._out < 0:
+            return None
+        with contextlib.suppress(OSError):
+            os.write(self._out, b"q")
+        os.close(self._out)
+        self._out = -1
+        try:
+            return self._process.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            return None
+
+    @property
+    def pid(self) -> int:
+        """The keeper's process id."""
+        return self._process.pid
+
+
+class CutListener:
+    """A daemon thread blocked on the group's next cut key: ``on_cut`` is called as each cut is posted.
+
+    Args:
+        address: the store, as :func:`wire_address` found it.
+        first: the number of the first cut to wait for.
+        on_cut: called (in the listener's thread) with each cut's number, in order, as its key is written.
+
+    Examples:
+        >>> import datetime, threading
+        >>> import torch.distributed as dist
+        >>> from ignite_ext.distributed.liveness.watch import CutListener
+        >>> server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=5), wait_for_workers=False)
+        >>> heard = threading.Event()
+        >>> listener = CutListener(("127.0.0.1", server.port, ""), 1, lambda index: heard.set())
+        >>> server.set("ignite_ext/cut/1", "0|3.000|2"); heard.wait(5)
+        True
+        >>> listener.close()
+
+    .. versionadded:: 0.3.0
+    """
+
+    def __init__(self, address: Address, first: int, on_cut: Callable[[int], None]) -> None:
+        self._wire = WireStore(*address, timeout=None)
+        self._on_cut = on_cut
+        self._thread = threading.Thread(target=self._run, args=(first,), name="ignite_ext-cuts", daemon=True)
+        self._thread.start()
+
+    def _run(self, index: int) -> None:
+        try:
+            while True:
+                self._wire.wait([cut_key(index)])
+                self._on_cut(index)
+                index += 1
+        except (OSError, ValueError):  # closed at exit, or the store is gone
+            return
+
+    def close(self) -> None:
+        """End the thread (its blocked wait returns at once)."""
+        self._wire.close()
+        self._thread.join(timeout=1.0)

@@ -1,0 +1,200 @@
+"""Process watching on real gloo ranks: each rank's keeper (a process outside its interpreter) tells a long GIL
+hold from a death, and reports a death on a live host at once, not after the heartbeat timeout."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ignite_ext.distributed as idist
+from ignite_ext.distributed._store import cut_key, default_store, read
+from ignite_ext.distributed.liveness.keeper import WireStore, process_identity, running
+from ignite_ext.distributed.liveness.watch import wire_address
+from tests._world import World
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _hold_the_gil(seconds: float) -> None:
+    """A C call that keeps the GIL (``PyDLL`` does not release it), as a C extension's long loop would."""
+    ctypes.PyDLL(None).usleep(int(seconds * 1e6))
+
+
+def body_holds_the_gil(holder: int, seconds: float) -> dict[str, Any]:
+    with idist.one_rank_first():
+        pass  # every rank beats, its keeper started
+    start = time.monotonic()
+    try:
+        with idist.one_rank_first(rank=holder) as first:
+            if first:
+                _hold_the_gil(seconds)
+        with idist.one_rank_first():
+            pass
+        return {"outcome": "ok", "after": time.monotonic() - start}
+    except idist.RankFailedError as exc:
+        return {"outcome": type(exc).__name__, "dead": list(exc.dead), "after": time.monotonic() - start}
+
+
+@pytest.mark.parametrize("watch", ["1", "0"], ids=["kept", "not-kept"])
+def test_a_long_gil_hold_is_not_a_death(world: World, watch: str) -> None:
+    # T = 2 s, the holder keeps the GIL for 3 T: its heartbeat thread cannot run, its keeper beats for it.
+    t = 2.0
+    env = {"IGNITE_EXT_HEARTBEAT_TIMEOUT": str(t), "IGNITE_EXT_PROCESS_WATCH": watch}
+    results = world.results(body_holds_the_gil, 1, 3 * t, env=env, deadline=120)
+    outcomes = [r.value["outcome"] if r.ok else r.exc_type for r in results]
+    if watch == "1":
+        assert outcomes == ["ok"] * len(results), [str(r) for r in results]
+    else:  # without a keeper, the silence looks like a death: what the keeper is for
+        assert outcomes[1] != "ok", [str(r) for r in results]
+        assert all(r.value["outcome"] == "RankFailedError" for r in results if r.rank != 1), [str(r) for r in results]
+
+
+def body_waits_for_a_death(victims: list[int], kill_at: float, work: float) -> dict[str, Any]:
+    pids = idist.all_gather(torch.tensor([os.getpid()])).tolist()
+    with idist.one_rank_first():
+        pass
+    if idist.get_rank() == victims[0]:  # the victims go down together, SIGKILLed from one of them
+
+        def kill() -> None:
+            time.sleep(kill_at)
+            for v in sorted(victims, reverse=True):
+                os.kill(pids[v], signal.SIGKILL)
+
+        threading.Thread(target=kill, daemon=True).start()
+    start = time.monotonic()
+    try:
+        with idist.one_rank_first(rank=victims[0]) as first:  # the others wait for the first victim's outcome
+            if first:
+                time.sleep(work)
+        return {"outcome": "ok"}
+    except idist.RankFailedError as exc:
+        return {"outcome": type(exc).__name__, "dead": list(exc.dead), "after": time.monotonic() - start}
+
+
+@pytest.mark.parametrize("victims", [[2], [2, 3]], ids=["one-rank", "two-ranks-together"])
+def test_a_death_on_a_live_host_is_reported_at_once(world: World, victims: list[int]) -> None:
+    # T = 30 s: the heartbeat alone cannot declare a death before 11/12 T = 27.5 s of silence. Killed 2 s into the
+    # block (the first victim works 8 s, the others wait for it), the victims must be reported within T/6 = 5 s of
+    # the kill: the keeper's path (pidfd, settle 0.1 s, a cut, the listeners) takes a fraction of a second; the
+    # margin is for a loaded machine.
+    t, kill_at = 30.0, 2.0
+    env = {"IGNITE_EXT_HEARTBEAT_TIMEOUT": str(t)}
+    results = world.results(body_waits_for_a_death, victims, kill_at, 8.0, env=env, deadline=90)
+    survivors = [r for r in results if r.rank not in victims]
+    for r in survivors:
+        assert r.ok and r.value["outcome"] == "RankFailedError", str(r)
+        assert r.value["dead"] == victims, r.value  # both of a host's ranks in one cut, alike everywhere
+        assert r.value["after"] < kill_at + t / 6, r.value
+
+
+def body_checks_for_cuts_after_the_others_left() -> dict[str, Any]:
+    with idist.one_rank_first():
+        pass
+    if idist.get_rank() != 0:
+        return {"cut": None}
+    time.sleep(2.0)  # the others have ended their processes normally meanwhile
+    store = default_store()
+    assert store is not None
+    return {"cut": read(store, cut_key(1))}
+
+
+def test_a_normal_exit_is_not_a_death(world: World) -> None:
+    results = world.results(body_checks_for_cuts_after_the_others_left, env={"IGNITE_EXT_HEARTBEAT_TIMEOUT": "30"})
+    assert all(r.ok for r in results), [str(r) for r in results]
+    assert results[0].value["cut"] is None
+
+
+def body_stops(victim: int, t: float) -> dict[str, Any]:
+    with idist.one_rank_first():
+        pass
+    start = time.monotonic()
+    try:
+        with idist.one_rank_first() as first:
+            if idist.get_rank() == victim:
+                os.kill(os.getpid(), signal.SIGSTOP)  # continued by the test 2 T later
+            if first:
+                time.sleep(0.2)
+        return {"outcome": "ok"}
+    except (idist.RankFailedError, idist.RankDiedError) as exc:
+        if idist.get_rank() != victim:
+            time.sleep(4 * t)  # the store (in rank 0) stays until the victim, continued, has learnt its fate
+        return {
+            "outcome": type(exc).__name__,
+            "dead": list(getattr(exc, "dead", ())),
+            "after": time.monotonic() - start,
+        }
+
+
+def test_a_stopped_rank_is_not_kept_alive(world: World) -> None:
+    # SIGSTOP is not a GIL hold: the process does not run, so its keeper does not beat for it.
+    t = 2.0
+
+    def cont_later(procs: list[Any]) -> None:
+        def cont() -> None:
+            time.sleep(4.0 + 2 * t)
+            os.kill(procs[2].pid, signal.SIGCONT)
+
+        threading.Thread(target=cont, daemon=True).start()
+
+    results = world.results(
+        body_stops, 2, t, env={"IGNITE_EXT_HEARTBEAT_TIMEOUT": str(t)}, deadline=90, on_start=cont_later
+    )
+    assert results[2].ok and results[2].value["outcome"] == "RankDiedError", str(results[2])
+    for r in results[:2] + results[3:]:
+        assert r.ok and r.value["outcome"] == "RankFailedError" and r.value["dead"] == [2], str(r)
+
+
+def test_the_wire_client_speaks_torchs_tcpstore() -> None:
+    import datetime
+
+    server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=5), wait_for_workers=False)
+    group = dist.PrefixStore("default_pg", dist.PrefixStore("0", server))
+    group.set("ignite_ext/cuts", "0")
+    address = wire_address(group, rank=0)
+    assert address is not None and address[2] == "0/default_pg/"
+    wire = WireStore(*address, timeout=5.0)
+    assert wire.add("ignite_ext/hb/1", 5) == 5 and group.add("ignite_ext/hb/1", 1) == 6
+    assert wire.compare_set("k", b"", b"v") == b"v" and group.get("k") == b"v"
+    assert wire.compare_set("k", b"x", b"w") == b"v" and wire.read("k") == b"v" and wire.read("absent") is None
+    wire.set("s", b"ab")
+    assert group.get("s") == b"ab"
+    assert group.get("ignite_ext/wire_prefix") == b"p:0/default_pg/"  # published for the other ranks
+    assert wire_address(dist.PrefixStore("default_pg", dist.PrefixStore("0", server)), rank=3) == address
+    waiter = WireStore(*address, timeout=None)
+    done = threading.Event()
+    threading.Thread(target=lambda: (waiter.wait(["late"]), done.set()), daemon=True).start()
+    time.sleep(0.2)
+    assert not done.is_set()
+    group.set("late", "1")
+    assert done.wait(5)
+    wire.close()
+    waiter.close()
+    assert wire_address(dist.HashStore(), rank=0) is None
+
+
+def test_what_a_keeper_sees_of_a_process() -> None:
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        identity = process_identity(child.pid)
+        assert identity is not None and running(child.pid)
+        child.send_signal(signal.SIGSTOP)
+        time.sleep(0.2)
+        assert not running(child.pid) and process_identity(child.pid) == identity
+        child.send_signal(signal.SIGCONT)
+        child.kill()
+        child.wait()
+        assert process_identity(child.pid) is None and not running(child.pid)
+    finally:
+        child.kill()
+        child.wait()
