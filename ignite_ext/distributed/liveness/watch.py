@@ -12,6 +12,7 @@ fails: the keeper makes no request while its rank beats, the listener one reques
 from __future__ import annotations
 
 import contextlib
+import contextlib
 import logging
 import os
 import subprocess
@@ -155,10 +156,8 @@ class KeeperHandle:
 
     def beat(self) -> None:
         """Tell the keeper the rank's heartbeat thread runs."""
-        try:
+        with contextlib.suppress(OSError):  # a full pipe (the keeper reads later) or a keeper gone: nothing to tell
             os.write(self._out, b".")
-        except OSError:  # a full pipe (the keeper reads later) or a keeper gone: nothing to tell
-            pass
 
     def stop(self) -> int | None:
         """Say goodbye (a normal end, not a death), and return the keeper's exit status (None: not ended yet)."""
