@@ -12,7 +12,6 @@ fails: the keeper makes no request while its rank beats, the listener one reques
 from __future__ import annotations
 
 import contextlib
-import contextlib
 import logging
 import os
 import subprocess
