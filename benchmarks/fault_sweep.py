@@ -3,12 +3,16 @@
 A *trial* runs one scenario on ``N`` real processes (gloo, the store served by rank 0 as under ``env://`` or by a
 process of its own as torchrun's agent serves it) and injects one fault:
 
-* **kill**: a set of ranks SIGKILLed at once (a lost host is a run of adjacent ranks) at a *moment* of the
-  scenario. The sweep enumerates every non-empty proper subset of the ranks (``N = 4``), or every run of adjacent
-  ranks plus a seeded sample of other subsets (``N = 8``), at every moment.
+* **kill**: a set of ranks lost at once, their keepers with them (a lost host is a run of adjacent ranks; a
+  switch or a rack any set), SIGKILLed at a *moment* of the scenario. The sweep enumerates every non-empty proper
+  subset of the ranks (``N = 4``), or every run of adjacent ranks plus a seeded sample of other subsets
+  (``N = 8``), at every moment.
+* **exit**: the same sets, but only the ranks' processes die; their hosts (and keepers) live on, as after a
+  segfault or the OOM killer. Run with a larger ``T`` (10 s by default), so that a death reported before
+  ``11/12 T`` can only have been reported by its keeper: the bound is the remaining work and slack, not ``T``.
 * **pause**: the same sets SIGSTOPped for ``2 T`` at the same moments, then SIGCONTed.
-* **crash**: one rank exits just before or just after its ``k``-th store request of the scenario, for every ``k``
-  found by counting the requests of a clean run (so the sweep follows the protocol as it changes).
+* **crash**: one rank SIGKILLs itself just before or just after its ``k``-th store request of the scenario, for
+  every ``k`` found by counting the requests of a clean run (so the sweep follows the protocol as it changes).
 
 The scenario (every rank): block **A** ``one_rank_first()`` (rank 0 works ``W`` seconds, the others a fifth of
 it), block **B** ``rank_scheduler(Ordered())`` with a nested ``one_rank_first()`` inside, block **C**
@@ -114,6 +118,7 @@ class TrialResult:
     hung: list[int] = field(default_factory=list)
     violations: list[str] = field(default_factory=list)
     detection: dict[int, float] = field(default_factory=dict)  # survivor -> seconds from the fault to its error
+    kept: bool = False  # exit: every victim's keeper was up when the fault struck
 
 
 def _free_port() -> int:
@@ -303,6 +308,26 @@ def _store_server(kind: str, ctx: Any) -> Iterator[int]:
         proc.join()
 
 
+def _keepers(pid: int) -> list[int]:
+    """The keeper processes of rank process ``pid``: its children (the rank starts no other process here)."""
+    children: list[int] = []
+    with contextlib.suppress(OSError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                children += [int(c) for c in f.read().split()]
+    return children
+
+
+def _wait_for_keepers(pids: list[int], seconds: float) -> bool:
+    """Whether every rank of ``pids`` has its keeper within ``seconds``."""
+    end = time.monotonic() + seconds
+    while not all(_keepers(pid) for pid in pids):
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.02)
+    return True
+
+
 def _deadline(trial: Trial) -> float:
     """How long a trial may take before its survivors count as hung: far beyond any detection bound."""
     return 3 * WORK_S + 2.0 + 12 * trial.heartbeat_timeout
@@ -321,8 +346,14 @@ def run_trial(trial: Trial, ctx: Any = None) -> TrialResult:
             for proc in procs:
                 proc.start()
             end = time.monotonic() + _deadline(trial)
-            if trial.fault in ("kill", "pause") and fire.wait(max(0.0, end - time.monotonic())):
-                sig = signal.SIGKILL if trial.fault == "kill" else signal.SIGSTOP
+            if trial.fault in ("kill", "pause", "exit") and fire.wait(max(0.0, end - time.monotonic())):
+                sig = signal.SIGSTOP if trial.fault == "pause" else signal.SIGKILL
+                if trial.fault == "exit":  # the victim sleeps a second at the moment: its keeper is surely up
+                    result.kept = _wait_for_keepers([procs[v].pid for v in trial.victims], 0.5)
+                if trial.fault == "kill":  # the host goes, the keepers with it (first: they must not report)
+                    for v in trial.victims:
+                        for keeper in _keepers(procs[v].pid):
+                            os.kill(keeper, signal.SIGKILL)
                 for v in trial.victims:
                     os.kill(procs[v].pid, sig)
                 result.fired_at = time.monotonic()
@@ -336,6 +367,9 @@ def run_trial(trial: Trial, ctx: Any = None) -> TrialResult:
         finally:
             for proc in procs:
                 if proc.is_alive():
+                    for keeper in _keepers(proc.pid):
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(keeper, signal.SIGKILL)
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(proc.pid, signal.SIGCONT)
                     proc.kill()
@@ -386,7 +420,7 @@ def _plan_after(block: str, rank: int) -> list[int]:
 def check(result: TrialResult) -> None:
     """Fill ``result.violations`` (empty: every invariant held) and ``result.detection``."""
     trial, bad = result.trial, result.violations
-    lost = set(trial.victims) if trial.fault in ("kill", "crash") else set()
+    lost = set(trial.victims) if trial.fault in ("kill", "crash", "exit") else set()
     if trial.fault == "crash" and result.ranks[trial.victims[0]]["exitcode"] != -signal.SIGKILL:
         lost = set()  # the crash point was never reached (the run took a shorter path): nothing was lost
     survivors = [r for r in range(trial.n) if r not in lost]
@@ -440,7 +474,7 @@ def check(result: TrialResult) -> None:
     blocks = {o["block"] for o in raised.values()}
     if len(blocks) > 1 and not store_lost:
         bad.append(f"survivors failed in different blocks: { {r: o['block'] for r, o in raised.items()} }")
-    bound = detection_bound(trial.heartbeat_timeout)
+    bound = keeper_bound(trial.heartbeat_timeout) if result.kept else detection_bound(trial.heartbeat_timeout)
     late = {r: round(s, 2) for r, s in result.detection.items() if s > bound}
     if late:
         bad.append(f"detection later than {bound:.1f} s: {late}")
@@ -453,6 +487,17 @@ def detection_bound(t: float) -> float:
     two cores, each beat a thread that must get the GIL and a core.
     """
     return 4 / 3 * t + WORK_S + 0.5 * t + 1.0
+
+
+def keeper_bound(t: float) -> float:
+    """The latest a survivor may raise after a process death its keeper saw: the work left, and slack.
+
+    No multiple of ``T``: the keeper posts the cut :data:`~ignite_ext.distributed.liveness.keeper.SETTLE` seconds
+    after the death and every process's listener hears it at once. The slack is the same as in
+    :func:`detection_bound` for ``T`` = 3 s (2.5 s: scheduling on a loaded machine), well under the ``11/12 T`` of
+    silence that the heartbeat needs at the ``T`` = 10 s the exit trials run with.
+    """
+    return WORK_S + 2.5
 
 
 def _check_pause(result: TrialResult, outcomes: dict[int, dict[str, Any] | None]) -> None:
@@ -597,7 +642,8 @@ def write_results(results: list[TrialResult], seed: int | str, seconds: float) -
         f"the survivor still had to finish first (up to {WORK_S:g} s of work in block A). Empty: the store went "
         "with rank 0's process (the survivors raise StoreLostError at once), nothing was lost (a crash point "
         "the run did not reach), or a pause (not timed: its check is that the paused ranks raise RankDiedError "
-        "when they resume and that every survivor names exactly them)."
+        "when they resume and that every survivor names exactly them). A kill takes the ranks' keepers along (a "
+        "lost host); an exit and a crash do not (the process dies, its host lives): its keeper reports it."
     )
     (here / "results" / "fault_sweep.json").write_text(json.dumps({"seed": seed, "rows": rows, "summary": summary}))
     keys = list(rows[0])
@@ -632,7 +678,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--t", type=float, default=3.0, help="heartbeat timeout of the trials")
-    parser.add_argument("--faults", default="kill,pause,crash")
+    parser.add_argument("--exit-t", type=float, default=10.0, help="heartbeat timeout of the exit trials")
+    parser.add_argument("--faults", default="kill,exit,pause,crash")
     parser.add_argument("--stores", default="agent,rank0", help="who serves the store: agent, rank0 or both")
     parser.add_argument("--sample", type=int, default=0, help="run this many trials drawn at random (0: all)")
     parser.add_argument("--seed", type=int, default=None)
@@ -661,7 +708,8 @@ def main(argv: list[str] | None = None) -> int:
         if fault == "crash":
             trials += crash_trials(args.n, args.t, count_requests(args.n, args.t))
         else:
-            trials += fault_trials(args.n, fault, args.t, random.Random(seed), tuple(args.stores.split(",")))
+            t = args.exit_t if fault == "exit" else args.t
+            trials += fault_trials(args.n, fault, t, random.Random(seed), tuple(args.stores.split(",")))
     if args.sample:
         trials = rng.sample(trials, min(args.sample, len(trials)))
     results = []

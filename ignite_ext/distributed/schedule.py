@@ -173,7 +173,8 @@ def rank_scheduler(order: Policy | None = None, *, timeout: float | None = None)
     * On native backends (gloo, nccl) waiting uses the process group's store, not a collective: a first rank
       may run far longer than the process group's timeout. Waiting ranks log (logger
       ``ignite_ext.distributed``, INFO) whom they wait for every 30 s; a rank killed inside the block is
-      noticed by its heartbeat stopping (``IGNITE_EXT_HEARTBEAT_TIMEOUT``, 30 s) and reported as failed.
+      reported as failed at once by its keeper when its host lives on, else when its heartbeat has stopped for
+      ``IGNITE_EXT_HEARTBEAT_TIMEOUT`` (10 s).
       On Horovod and XLA, waits are collectives: ``timeout`` is not enforced and a killed rank surfaces as the
       backend's own error (see the backends page).
     * Serial runs (world size 1) run the block and yield a truthy turn. A scheduler nested inside a scheduled

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import ignite_ext.distributed as idist
 from ignite_ext.distributed._store import cut_key, default_store, read
 from ignite_ext.distributed.liveness.keeper import WireStore, process_identity, running
-from ignite_ext.distributed.liveness.watch import wire_address
+from ignite_ext.distributed.liveness.watch import CutListener, wire_address
 from tests._world import World
 
 pytestmark = pytest.mark.timeout(240)
@@ -178,6 +178,18 @@ def test_the_wire_client_speaks_torchs_tcpstore() -> None:
     wire.close()
     waiter.close()
     assert wire_address(dist.HashStore(), rank=0) is None
+    # Another prefix (or another protocol) is caught before anything relies on it: no process watching then.
+    with pytest.raises(ValueError, match="does not read"):
+        CutListener((address[0], address[1], "another/"), b"0", 1, lambda index: None)
+    heard: list[int] = []
+    listener = CutListener(address, b"0", 1, heard.append)
+    group.set("ignite_ext/cut/1", "0|3.000|2")
+    group.set("ignite_ext/cut/2", "0|3.000|3")
+    deadline = time.monotonic() + 5
+    while len(heard) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    listener.close()
+    assert heard == [1, 2]
 
 
 def test_what_a_keeper_sees_of_a_process() -> None:

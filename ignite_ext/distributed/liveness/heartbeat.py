@@ -42,6 +42,7 @@ from ignite_ext.distributed._store import (
     read,
 )
 from ignite_ext.distributed.liveness.detector import Cut, Detector
+from ignite_ext.distributed.liveness.keeper import proc_key, process_identity
 from ignite_ext.distributed.liveness.settings import beat_interval, early_heartbeat, heartbeat_timeout, process_watch
 from ignite_ext.distributed.liveness.watch import CutListener, KeeperHandle, wire_address
 
@@ -220,8 +221,15 @@ class Heartbeat:
             self._next_try = time.monotonic() + min(self._every, 0.1 * 2 ** (tried - 1))
             return
         self._watch_tries = 0
-        self._listener = CutListener(address, len(self._cuts) + 1, self._on_cut)
-        self._keeper = KeeperHandle(address, self.rank, self._detector.world_size, self._every)
+        proof = read(self._client, CUTS_KEY)
+        try:
+            self._listener = CutListener(address, proof or b"", len(self._cuts) + 1, self._on_cut)
+        except (OSError, ValueError):
+            return  # not proven: detection by silence alone
+        identity = process_identity(os.getpid())
+        if identity is not None:
+            put(self._client, proc_key(self.rank), identity.encode())
+            self._keeper = KeeperHandle(address, self.rank, self._detector.world_size, self._every)
 
     def _on_cut(self, index: int) -> None:
         self._heard = max(self._heard, index)

@@ -37,7 +37,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-__all__ = ["SETTLE", "WireStore", "main", "process_identity", "running"]
+__all__ = ["SETTLE", "WireStore", "main", "proc_key", "process_identity", "running"]
 
 #: Seconds a keeper waits after its rank's death for the host's other ranks that die with it (one cut for all).
 SETTLE = 0.1
@@ -81,6 +81,10 @@ class WireStore:
         self._sock.sendall(struct.pack("<BI", _VALIDATE, _MAGIC) + struct.pack("<BI", _PING, nonce))
         if struct.unpack("<I", self._exactly(4))[0] != nonce:
             raise ConnectionError("not a TCPStore: the ping came back wrong")
+
+    def settimeout(self, timeout: float | None) -> None:
+        """Seconds a request may take from now on (None: for ever)."""
+        self._sock.settimeout(timeout)
 
     def _exactly(self, n: int) -> bytes:
         chunks, left = [], n
@@ -181,7 +185,16 @@ def running(pid: int) -> bool:
     return stat[stat.rindex(b")") + 2 :][:1] in (b"R", b"S", b"D")
 
 
-def _proc_key(rank: int) -> str:
+def proc_key(rank: int) -> str:
+    """Where ``rank`` publishes its :func:`process_identity` for the keepers of its host.
+
+    Examples:
+        >>> from ignite_ext.distributed.liveness.keeper import proc_key
+        >>> proc_key(3)
+        'ignite_ext/proc/3'
+
+    .. versionadded:: 0.3.0
+    """
     return f"{_ROOT}/proc/{rank}"
 
 
@@ -203,7 +216,7 @@ def _dead_on_this_host(wire: WireStore, rank: int, world_size: int, mine: str) -
     for step in (-1, 1):
         peer = rank + step
         while 0 <= peer < world_size:
-            theirs = wire.read(_proc_key(peer))
+            theirs = wire.read(proc_key(peer))
             if not _same_host(mine, theirs):
                 break
             if theirs is not None and _gone(theirs):
@@ -231,25 +244,41 @@ def _post_cut(wire: WireStore, ranks: list[int], author: int) -> None:
             return
 
 
-def _keep(wire: WireStore, rank: int, world_size: int, parent: int, beats: int, every: float) -> str:
+class _Lazy:
+    """A :class:`WireStore` connected at its first use: a keeper whose rank beats never connects at all.
+
+    A TCPStore server resolves the name of each client that connects, in its only thread: a connection per rank
+    made at the group's start, for a keeper that may never need it, is a stall of the store waiting to happen.
+    """
+
+    def __init__(self, host: str, port: int, prefix: str, timeout: float) -> None:
+        self._args = (host, port, prefix, timeout)
+        self._wire: WireStore | None = None
+
+    def __call__(self) -> WireStore:
+        if self._wire is None:
+            self._wire = WireStore(*self._args)
+        return self._wire
+
+
+def _keep(wire: _Lazy, rank: int, world_size: int, parent: int, beats: int, every: float) -> str:
     """The keeper's loop for ``rank`` (process ``parent``): returns why it ended.
 
     Args:
-        wire: a client of the group's store.
+        wire: a client of the group's store, connected when first needed.
         rank: the kept rank.
         world_size: the group's size.
         parent: the rank's process id.
         beats: the read end of the pipe on which the rank's heartbeat thread writes ``.`` per beat, ``q`` to end.
         every: the beat interval in seconds.
     """
-    mine = process_identity(parent)
+    mine = process_identity(parent)  # the rank published it (it is who told this keeper its pid)
     try:
         pidfd = os.pidfd_open(parent)
     except OSError:
         pidfd = -1
     if mine is None or pidfd < 0:
         return "the rank's process is gone already"
-    wire.set(_proc_key(rank), mine.encode())
     watched = [pidfd, beats]
     last = time.monotonic()
     while True:
@@ -263,10 +292,10 @@ def _keep(wire: WireStore, rank: int, world_size: int, parent: int, beats: int, 
             last = time.monotonic()
         if pidfd in readable:
             time.sleep(SETTLE)
-            _post_cut(wire, _dead_on_this_host(wire, rank, world_size, mine), author=rank)
+            _post_cut(wire(), _dead_on_this_host(wire(), rank, world_size, mine), author=rank)
             return "its process ended"
         if time.monotonic() - last >= 2 * every and running(parent):
-            wire.add(f"{_ROOT}/hb/{rank}", 1)
+            wire().add(f"{_ROOT}/hb/{rank}", 1)
             last = time.monotonic()
 
 
@@ -274,18 +303,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The keeper process: ``keeper.py HOST PORT PREFIX RANK WORLD_SIZE PARENT_PID BEATS_FD EVERY``; 0 on a goodbye.
 
     Examples:
-        A keeper whose rank's process is gone already ends at once (here: no store to reach).
+        A keeper whose rank's process is gone already ends at once.
 
         >>> from ignite_ext.distributed.liveness.keeper import main
-        >>> main(["127.0.0.1", "1", "", "0", "2", "1", "0", "0.5"])
-        1
+        >>> main(["127.0.0.1", "1", "", "0", "2", str(2**22 + 7), "0", "0.5"])
+        0
 
     .. versionadded:: 0.3.0
     """
     host, port, prefix, rank, world_size, parent, beats, every = argv if argv is not None else sys.argv[1:]
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C of the job's process group is for the ranks to see
     try:
-        wire = WireStore(host, int(port), prefix, timeout=max(5.0, 6 * float(every)))
+        wire = _Lazy(host, int(port), prefix, timeout=max(5.0, 6 * float(every)))
         _keep(wire, int(rank), int(world_size), int(parent), int(beats), float(every))
     except (OSError, ValueError, struct.error):
         return 1  # the store is gone or unreachable: there is nothing left to keep

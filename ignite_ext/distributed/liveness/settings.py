@@ -27,7 +27,11 @@ def env_float(name: str, default: float) -> float:
 
 
 def heartbeat_timeout() -> float:
-    """Seconds without a heartbeat after which a rank counts as dead (``IGNITE_EXT_HEARTBEAT_TIMEOUT``, 30).
+    """Seconds without a heartbeat after which a rank counts as dead (``IGNITE_EXT_HEARTBEAT_TIMEOUT``, 10).
+
+    A rank's keeper beats for it while its process runs (:mod:`~ignite_ext.distributed.liveness.keeper`), so a
+    long GIL hold is not a death and ``T`` can be short: a lost host is reported within ``4/3 T`` = 13.3 s by
+    default (torch elastic's rendezvous declares a node dead after 15 s, torchft a replica after 5 s).
 
     Examples:
         >>> from ignite_ext.distributed.liveness.settings import heartbeat_timeout
@@ -36,7 +40,7 @@ def heartbeat_timeout() -> float:
 
     .. versionadded:: 0.3.0
     """
-    return env_float("IGNITE_EXT_HEARTBEAT_TIMEOUT", 30.0)
+    return env_float("IGNITE_EXT_HEARTBEAT_TIMEOUT", 10.0)
 
 
 def beat_interval() -> float:

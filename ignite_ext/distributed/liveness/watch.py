@@ -1,8 +1,9 @@
 """The rank's side of process watching: its keeper process, and a thread that hears of each cut at once.
 
 :mod:`~ignite_ext.distributed.liveness.keeper` says what a keeper does. Here the heartbeat finds how to reach its
-store without torch (:func:`wire_address`), proves it (the keeper's client must read what torch's wrote), starts
-the keeper (:class:`KeeperHandle`) and a :class:`CutListener`: a thread blocked on the key of the group's next cut,
+store without torch (:func:`wire_address`), proves it (the listener's client must read what torch's wrote), starts
+the keeper (:class:`KeeperHandle`; the rank publishes its process's identity for it, and it connects to the store
+only when it must beat or report) and a :class:`CutListener`: a thread blocked on the key of the group's next cut,
 so that a cut wakes this process's waiters when it is posted, not at the next beat. Both cost nothing while nothing
 fails: the keeper makes no request while its rank beats, the listener one request per cut.
 
@@ -73,8 +74,8 @@ def _published_prefix(store: Store, raw: Store, rank: int) -> str | None:
 def wire_address(store: Store, rank: int) -> Address | None:
     """How a :class:`~ignite_ext.distributed.liveness.keeper.WireStore` reaches ``store``, once that is proven.
 
-    None when ``store`` is not served by a TCPStore, when the prefix is not known yet (ranks other than 0 wait for
-    rank 0 to publish it: call again at a later beat) or when the wire client does not read what torch wrote.
+    None when ``store`` is not served by a TCPStore, or when the prefix is not known yet (ranks other than 0 wait
+    for rank 0 to publish it: call again at a later beat). Not proven yet: :class:`CutListener` proves it.
 
     Args:
         store: the group's store.
@@ -85,9 +86,7 @@ def wire_address(store: Store, rank: int) -> Address | None:
         >>> import torch.distributed as dist
         >>> from ignite_ext.distributed.liveness.watch import wire_address
         >>> server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=5), wait_for_workers=False)
-        >>> job = dist.PrefixStore("job", server)
-        >>> job.set("ignite_ext/cuts", "0")
-        >>> wire_address(job, rank=0) == ("127.0.0.1", server.port, "job/")
+        >>> wire_address(dist.PrefixStore("job", server), rank=0) == ("127.0.0.1", server.port, "job/")
         True
         >>> wire_address(dist.HashStore(), rank=0) is None
         True
@@ -101,20 +100,7 @@ def wire_address(store: Store, rank: int) -> Address | None:
     prefix = "" if raw is store else _published_prefix(store, raw, rank)
     if prefix is None:
         return None
-    address = (host, port, prefix)
-    try:
-        wire = WireStore(*address, timeout=10.0)
-        try:
-            expected = read(store, CUTS_KEY)
-            proven = expected is not None and wire.read(CUTS_KEY) == expected
-        finally:
-            wire.close()
-    except (OSError, ValueError):
-        proven = False
-    if not proven:
-        _log.debug("ignite_ext: no process watching: the store's wire protocol or key prefix is not the expected one")
-        return None
-    return address
+    return host, port, prefix
 
 
 class KeeperHandle:
@@ -132,7 +118,6 @@ class KeeperHandle:
         >>> from ignite_ext.distributed.liveness.watch import KeeperHandle
         >>> server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=5), wait_for_workers=False)
         >>> handle = KeeperHandle(("127.0.0.1", server.port, ""), rank=0, world_size=2, every=0.5)
-        >>> _ = server.wait(["ignite_ext/proc/0"])  # the keeper is up
         >>> handle.beat(); handle.stop()
         0
 
@@ -180,8 +165,14 @@ class KeeperHandle:
 class CutListener:
     """A daemon thread blocked on the group's next cut key: ``on_cut`` is called as each cut is posted.
 
+    Its connection is also the proof that the wire client reaches the group's keys: before it listens, it must read
+    ``proof`` (what torch's client read of the cut counter) there, or it raises ``ValueError`` (another torch's
+    protocol, another prefix) and the rank does without process watching. One connection per process for good:
+    a TCPStore server resolves the name of each client that connects, in its only thread.
+
     Args:
         address: the store, as :func:`wire_address` found it.
+        proof: the value of ``ignite_ext/cuts`` as torch's client read it.
         first: the number of the first cut to wait for.
         on_cut: called (in the listener's thread) with each cut's number, in order, as its key is written.
 
@@ -191,7 +182,8 @@ class CutListener:
         >>> from ignite_ext.distributed.liveness.watch import CutListener
         >>> server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=5), wait_for_workers=False)
         >>> heard = threading.Event()
-        >>> listener = CutListener(("127.0.0.1", server.port, ""), 1, lambda index: heard.set())
+        >>> server.set("ignite_ext/cuts", "0")
+        >>> listener = CutListener(("127.0.0.1", server.port, ""), b"0", 1, lambda index: heard.set())
         >>> server.set("ignite_ext/cut/1", "0|3.000|2"); heard.wait(5)
         True
         >>> listener.close()
@@ -199,8 +191,12 @@ class CutListener:
     .. versionadded:: 0.3.0
     """
 
-    def __init__(self, address: Address, first: int, on_cut: Callable[[int], None]) -> None:
-        self._wire = WireStore(*address, timeout=None)
+    def __init__(self, address: Address, proof: bytes, first: int, on_cut: Callable[[int], None]) -> None:
+        self._wire = WireStore(*address, timeout=10.0)
+        if self._wire.read(CUTS_KEY) != proof:
+            self._wire.close()
+            raise ValueError("the wire client does not read what torch's client wrote: no process watching")
+        self._wire.settimeout(None)  # it blocks until the next cut, however long
         self._on_cut = on_cut
         self._thread = threading.Thread(target=self._run, args=(first,), name="ignite_ext-cuts", daemon=True)
         self._thread.start()
