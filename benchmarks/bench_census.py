@@ -18,6 +18,7 @@ import platform
 import socket
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -38,22 +39,33 @@ def _host(name: str) -> None:
     assert socket.gethostname() == name
 
 
+#: The names of the failure detector's threads (see :mod:`ignite_ext.distributed.liveness`).
+_LIVENESS_THREADS = ("ignite_ext-heartbeat", "ignite_ext-group-watch", "ignite_ext-cuts")
+
+
 @contextmanager
 def counting_fs_ops() -> Iterator[dict[str, int]]:
-    """Count this process's calls of the filesystem operations a census may make, while inside."""
+    """Count this process's calls of the filesystem operations a census may make, while inside.
+
+    The failure detector's threads are not the census: a rank's keeper starts as its group forms, reading the
+    rank's process identity under ``/proc``, maybe while the census runs.
+    """
     counts = dict.fromkeys(COUNTED, 0)
+
+    def census() -> bool:
+        return not threading.current_thread().name.startswith(_LIVENESS_THREADS)
     originals = {name: getattr(os, name) for name in COUNTED}
     real_open = builtins.open
 
     def counting(name: str) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
-            counts[name] += 1
+            counts[name] += census()
             return originals[name](*args, **kwargs)
 
         return call
 
     def open_counted(*args: Any, **kwargs: Any) -> Any:
-        counts["open"] += 1
+        counts["open"] += census()
         return real_open(*args, **kwargs)
 
     for name in COUNTED:

@@ -90,8 +90,7 @@ class Heartbeat:
         self._ended = threading.Lock()
         put_once(self._client, CUTS_KEY, b"0")
         self._beat()
-        if start:
-            self._start_watching()
+        if start:  # the thread starts the keeper and the listener: not the caller, which may be a block's entry
             self._thread = threading.Thread(target=self._run, name="ignite_ext-heartbeat", daemon=True)
             self._thread.start()
             _stop_at_exit(self)
