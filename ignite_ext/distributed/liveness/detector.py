@@ -47,6 +47,8 @@ class Cut:
         True
         >>> print(cut.message())
         no heartbeat for 3 s (ranks [2, 3] lost together), noticed by rank 1 (killed, hung or cut off)
+        >>> print(Cut(2, (5,), author=5, silent_s=0.0).message())
+        its process ended, seen by the keeper on its host (killed or crashed)
 
     .. versionadded:: 0.3.0
     """
@@ -67,8 +69,14 @@ class Cut:
         return cls(index, tuple(int(r) for r in ranks.split(",")), int(author), float(silent))
 
     def message(self) -> str:
-        """What every survivor reports of each of the cut's ranks (the same words everywhere)."""
+        """What every survivor reports of each of the cut's ranks (the same words everywhere).
+
+        A cut whose author is among its ranks was posted by the keeper of the author's host, which saw the
+        processes end (see :mod:`~ignite_ext.distributed.liveness.keeper`).
+        """
         together = f" (ranks {list(self.ranks)} lost together)" if len(self.ranks) > 1 else ""
+        if self.author in self.ranks:
+            return f"its process ended{together}, seen by the keeper on its host (killed or crashed)"
         return (
             f"no heartbeat for {self.silent_s:.0f} s{together}, noticed by rank {self.author} (killed, hung or cut off)"
         )
