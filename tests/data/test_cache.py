@@ -27,6 +27,7 @@ from torch.utils.data._utils import signal_handling
 from ignite_ext.data import CachedDataset, CacheStats
 from ignite_ext.data.cache import CacheStatsHandler, ShmSpaceError, shm
 from ignite_ext.data.cache.arena import Arena
+from ignite_ext.data.cache.identity import fingerprint_indices
 from ignite_ext.data.cache.shm import mapped_pss, sweep_stale
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -51,6 +52,14 @@ class CountingDataset:
 
     def loads(self) -> list[int]:
         return [int(c) for c in self.counts[:]]
+
+
+def fingerprint_loads(n: int, ranks: int) -> list[int]:
+    """Loads of each index of an ``n``-sample dataset by constructing a node cache on ``ranks`` ranks (nodes of 2+).
+
+    Each rank reads its dataset's first, middle and last sample once, outside the cache, to fingerprint it.
+    """
+    return [ranks if i in fingerprint_indices(n) else 0 for i in range(n)]
 
 
 class KillBeforePublish(CachedDataset):

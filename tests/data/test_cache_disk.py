@@ -33,7 +33,15 @@ from ignite_ext.data.cache.arena import Arena
 from ignite_ext.data.cache.codec import LENDABLE, decode, encode
 from ignite_ext.data.cache.tiers import DiskOption, create_tiers
 from tests._world import World
-from tests.data.test_cache import ROOT, CountingDataset, KillBeforePublish, epoch, loader, run_with_handler
+from tests.data.test_cache import (
+    ROOT,
+    CountingDataset,
+    KillBeforePublish,
+    epoch,
+    fingerprint_loads,
+    loader,
+    run_with_handler,
+)
 from tests.data.test_cache_cow import lent
 from tests.data.test_cache_users import STEP_TIMEOUT_S, PrivateShm, User, _first_line
 from tests.data.test_cache_users import other_user as other_user  # fixtures of the second-user tests, used here too
@@ -145,7 +153,8 @@ def test_a_node_loads_a_dataset_larger_than_its_ram_once_over_two_ranks_and_epoc
 ) -> None:
     base = CountingDataset(N, size=1024, context="forkserver")
     out = world(_two_epochs, base, str(tmp_path), nprocs=2, nproc_per_node=2, deadline=120)
-    assert base.loads() == [1] * N  # from the wrapped dataset once per node, over both epochs
+    # From the wrapped dataset once per node, over both epochs (besides each rank's fingerprint reads).
+    assert base.loads() == [1 + extra for extra in fingerprint_loads(N, 2)]
     first, second = out[0]["epochs"]
     assert all(r["epochs"] == [first, second] for r in out)  # node sums: the same on both ranks
     assert (first.misses, first.hits, first.entries) == (N, 0, N)

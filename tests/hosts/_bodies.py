@@ -65,6 +65,10 @@ class _LoggedLoads(Dataset[torch.Tensor]):
 def _cache(n: int) -> dict[str, Any]:
     log = HOST_LOCAL / "loads.log"
     ds = CachedDataset(_LoggedLoads(n, log), scope="node")
+    # Every rank's fingerprint reads (first, middle, last) are logged once the construction returns on any rank
+    # (it agrees after them); the barrier keeps every rank's reads through the cache out of this count.
+    constructing = len(log.read_text().split()) if log.exists() else 0
+    idist.barrier()
     sampler = ShardedDistributedSampler(ds, shard_by="node")
     read = []
     for epoch in range(2):
@@ -74,9 +78,11 @@ def _cache(n: int) -> dict[str, Any]:
             ds[i]
         idist.barrier()  # the node's cache holds its whole shard before the next epoch reads it
     stats = ds.stats(reduce="node")
+    logged = [int(line) for line in log.read_text().split()]
     seen = {
         "read": read,
-        "loads": [int(line) for line in log.read_text().split()],
+        "fingerprint_loads": logged[:constructing],
+        "loads": logged[constructing:],
         "segment": ds.segment,
         "arenas": sorted(name for name in os.listdir("/dev/shm") if name.endswith(".arena")),
         "node_stats": [stats.hits, stats.misses, stats.entries],

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from ignite_ext.data.cache.identity import fingerprint_indices
 from tests.hosts._jobs import Server, serve, torchrun
 from tests.hosts.conftest import make_bed
 
@@ -122,6 +123,8 @@ def test_node_sharding_and_the_node_cache_load_each_hosts_shard_once_into_one_ar
         loads = mine[0]["loads"]  # the host's own log: both ranks read the same file
         assert all(c["loads"] == loads for c in mine)
         assert sorted(loads) == shard, f"host {h} loaded {sorted(loads)}, its shard is {shard}"
+        # Besides, constructing the node cache read each rank's first, middle and last sample to fingerprint them.
+        assert sorted(mine[0]["fingerprint_loads"]) == sorted(list(fingerprint_indices(SAMPLES)) * PER_HOST)
         assert len({c["segment"] for c in mine}) == 1, "the host's ranks share one arena"
         assert all(len(c["arenas"]) == 1 for c in mine), [c["arenas"] for c in mine]
         hits, misses, entries = mine[0]["node_stats"]

@@ -5,7 +5,8 @@ The modules of this package:
 * ``dataset``: :class:`CachedDataset`: load once, serve every worker and rank of a node;
 * ``stats``: :class:`CacheStats`, the hits of each tier (RAM, disk) and the misses;
 * ``tiers``: the RAM arena, then the optional disk arena: placement, lookup, counting, creation (node setup);
-* ``identity``: what a dataset is, for pairing the node caches of ranks: the default ``name=``;
+* ``identity``: what a dataset is, for pairing the node caches of ranks: the default ``name=``, the
+  construction site and the sampled content;
 * ``transforms``: augment after the cache; :class:`FrozenTransformWarning` when the dataset transforms inside it;
 * ``arena``: :class:`~ignite_ext.data.cache.arena.Arena`, one ``/dev/shm`` file per cache: index table, counters,
   bump-allocated data, publish-when-complete (its file layout in ``_mapping``);

@@ -80,10 +80,15 @@ class CachedDataset(Dataset[Any]):
             ``target_transform`` or ``transforms`` attribute that is not None, rank 0 warns once
             (:class:`~ignite_ext.data.cache.FrozenTransformWarning`): that one runs inside ``dataset[index]``
             and is cached.
-        name: what the cache is of. With ``scope="node"`` the ranks of a node must construct caches of the same
-            name at the same call, or every rank raises (a rank that builds its validation cache first never
-            reads the training samples). ``None``: :func:`~ignite_ext.data.cache.identity.default_name`, the
+        name: what the cache is of. ``None``: :func:`~ignite_ext.data.cache.identity.default_name`, the
             dataset's type, length and a cheap fingerprint of its public attributes, the same in every process.
+            With ``scope="node"`` the ranks of a node pair their caches by the order of construction, and every
+            rank raises unless the paired caches have the same name, the same samples at the first, middle and
+            last index (:func:`~ignite_ext.data.cache.identity.sample_fingerprint`: each rank loads those three
+            samples once at construction, outside the cache) and, with the default name, were constructed from
+            the same line (:func:`~ignite_ext.data.cache.identity.construction_site`). So a rank that builds its
+            validation cache first never reads the training samples. A ``name`` given stands for the line: it
+            pairs caches of the same dataset constructed from different lines on different ranks.
         disk_dir: a directory on the node's own disk (never a shared filesystem, see
             :mod:`~ignite_ext.data.cache.disk`) for the disk tier; None: no disk tier. With ``scope="node"``
             every rank of a node must pass the same one (or None), and every rank checks its own.
@@ -101,8 +106,9 @@ class CachedDataset(Dataset[Any]):
     Raises:
         ValueError: ``scope`` is unknown, ``capacity_bytes`` or ``disk_bytes`` is not positive, ``name`` is not a
             non-empty string, ``disk_bytes`` comes without ``disk_dir``, ``disk_dir`` is not an existing,
-            writable directory, or (node scope) the ranks of a node wrap datasets of different lengths or names,
-            or pass different ``disk_dir``. With ``scope="node"`` on every rank, whichever rank it concerns.
+            writable directory, or (node scope) the ranks of a node wrap datasets of different lengths, names,
+            construction sites (default name) or sampled content, or pass different ``disk_dir``. With
+            ``scope="node"`` on every rank, whichever rank it concerns.
         TypeError: ``transform`` is not callable.
         ShmSpaceError: ``/dev/shm`` cannot hold the cache (too little free space for the index plus 1 MiB of data
             by default, or less than ``capacity_bytes`` plus the index), or ``disk_dir`` cannot hold the disk
@@ -141,6 +147,8 @@ class CachedDataset(Dataset[Any]):
     .. versionadded:: 0.1.0
     .. versionchanged:: 0.2.0
        ``transform``, ``name``, ``disk_dir`` and ``disk_bytes``.
+    .. versionchanged:: 0.3.0
+       Node caches pair only caches constructed from the same line (default name) and of the same sampled content.
     """
 
     def __init__(

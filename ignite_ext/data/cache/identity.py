@@ -1,9 +1,19 @@
-"""What a dataset is, for telling caches apart: :func:`default_name`, the name a :class:`CachedDataset` gets by default.
+"""What a dataset is, for telling caches apart: the default ``name=`` of a cache, and what pairs node caches.
 
-The ranks of a node pair their node caches by this name (see :class:`~ignite_ext.data.CachedDataset`), so it must
-be equal for the same dataset on every rank, in every process, and differ for a training and a validation set. It
-is made of the dataset's type, its length and a fingerprint of what describes it, and it costs O(1): no sample is
-loaded, nothing is hashed in proportion to the dataset's size. What describes an object (:func:`describe`):
+The ranks of a node pair their node caches by the order of construction (see
+:class:`~ignite_ext.data.CachedDataset`). Each rank then checks, in the one agreement of the construction, that
+what it pairs is the same thing on every rank of the node, by three things:
+
+* the *name* (:func:`checked_name`): the ``name=`` given, or :func:`default_name`;
+* with the default name only, the *construction site* (:func:`construction_site`): the file and line of the
+  ``CachedDataset(...)`` call outside this package, and how many caches that line constructed before in this
+  process, so caches built in a loop at one line pair in order, and caches built at different lines never pair;
+* the *sampled content* (:func:`sample_fingerprint`): a SHA-256 of the samples at :func:`fingerprint_indices`
+  (first, middle and last), which two different datasets of the same type, length and attributes do not share.
+
+:func:`default_name` is made of the dataset's type, its length and a fingerprint of what describes it, and it
+costs O(1): no sample is loaded, nothing is hashed in proportion to the dataset's size. What describes an object
+(:func:`describe`):
 
 * ``None``, booleans, numbers, strings, bytes, ranges, enum members and paths (``os.PathLike``): their ``repr``
   (strings and bytes of more than 256 characters: their length and 64 characters at each end);
@@ -17,22 +27,48 @@ Three levels deep at most. So ``MNIST(root, train=True)`` and ``MNIST(root, trai
 length), two ``ImageFolder`` by ``root`` and their first and last samples' paths, two ``Subset`` of one dataset
 by their indices' length and ends. The digest is SHA-256 (never the per-process salted ``hash()``).
 
-What it cannot tell apart are datasets that differ only in what it does not look at: private attributes, the
-middle of lists, values of tensors, the state of arbitrary objects. Give such datasets a ``name=``. Conversely, a
-public attribute that differs between ranks (a rank number, a per-process temporary path) makes the default names
-differ, and a node cache then refuses to pair them: pass the same ``name=`` on every rank.
+What the name cannot tell apart are datasets that differ only in what it does not look at: private attributes, the
+middle of lists, values of tensors, the state of arbitrary objects (two lists of tensors, one of training samples
+and one of validation samples, get the same default name). The construction site and the sampled content tell
+those apart when they are built at different lines, or differ in their first, middle or last sample. What nothing
+here tells apart: two datasets built at the same line and occurrence (a loop whose order differs between ranks)
+whose first, middle and last samples are equal. Conversely, a public attribute that differs between ranks (a rank
+number, a per-process temporary path) makes the default names differ, and a node cache then refuses to pair
+them: pass the same ``name=`` on every rank (which also pairs caches built at different lines on different ranks).
 
 .. versionadded:: 0.2.0
+.. versionchanged:: 0.3.0
+   :func:`construction_site`, :func:`fingerprint_indices` and :func:`sample_fingerprint`: what pairs node caches
+   besides the name.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import enum
 import hashlib
 import os
-from typing import Any
+import pickle
+import random
+import sys
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["checked_name", "default_name", "describe"]
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from _hashlib import HASH
+
+__all__ = [
+    "checked_name",
+    "construction_site",
+    "default_name",
+    "describe",
+    "fingerprint_indices",
+    "sample_fingerprint",
+]
 
 _DEPTH = 3
 _LONG, _ENDS = 256, 64  # strings and bytes longer than _LONG are described by their length and _ENDS at each end
@@ -130,3 +166,195 @@ def checked_name(dataset: Any, name: str | None) -> str:
     if not isinstance(name, str) or not name:
         raise ValueError(f"name must be a non-empty string, got {name!r}")
     return name
+
+
+# This package's directory: frames in it are the cache's own, not where the user constructed it.
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
+_constructions: dict[str, int] = {}
+
+
+def construction_site() -> str:
+    """``<file>:<line>#<k>``: where the caller was called from outside this package, and the how-manieth time.
+
+    The frame is the first one, from the caller outward, whose file is not in ``ignite_ext``: the line of the
+    user's ``CachedDataset(...)`` (or of the ``super().__init__`` of a subclass, or of a helper function of the
+    user's that constructs caches). The file is its base name, as the scheduler compares call sites: ranks may run
+    one script from different directories. ``k`` counts the calls from that line in this process, from 1, so
+    caches constructed in a loop at one line are told apart by their order. Every call counts: call it exactly
+    once per construction, on every rank alike.
+
+    Returns:
+        ``"<base name of the file>:<line>#<k>"``.
+
+    Examples:
+        >>> from ignite_ext.data.cache.identity import construction_site
+        >>> [construction_site() for _ in range(2)]  # one line, called twice
+        ['<doctest ...>:1#1', '<doctest ...>:1#2']
+
+    .. versionadded:: 0.3.0
+    """
+    frame = sys._getframe(1)
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame = frame.f_back
+    line = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+    k = _constructions[line] = _constructions.get(line, 0) + 1
+    return f"{line}#{k}"
+
+
+def fingerprint_indices(n: int) -> tuple[int, ...]:
+    """The indices :func:`sample_fingerprint` reads in a dataset of ``n`` samples: ``0``, ``n // 2`` and ``n - 1``.
+
+    Without repeats, in increasing order: none for an empty dataset, fewer than three below three samples. The
+    first and last sample tell apart most splits and shards; the middle one, datasets that share their ends.
+
+    Args:
+        n: the dataset's length.
+
+    Returns:
+        The indices, in increasing order.
+
+    Examples:
+        >>> from ignite_ext.data.cache.identity import fingerprint_indices
+        >>> fingerprint_indices(1000), fingerprint_indices(2), fingerprint_indices(0)
+        ((0, 500, 999), (0, 1), ())
+
+    .. versionadded:: 0.3.0
+    """
+    return tuple(sorted({0, n // 2, n - 1})) if n > 0 else ()
+
+
+def sample_fingerprint(dataset: Any) -> str:
+    """12 hex digits of a SHA-256 of ``len(dataset)`` and the samples at :func:`fingerprint_indices`.
+
+    Loads at most three samples, whatever the dataset's size, with ``dataset[i]``, in this process, and hashes all of
+    their contents: tensors (dense, on any device) and NumPy arrays by their dtype, shape and every byte of their
+    data; strings, bytes and numbers by their value; lists, tuples, named tuples and dicts by their items in order;
+    sets by their items in any order; anything else by its pickle (PIL images, for instance), or by its type when
+    it does not pickle. Sparse and quantized tensors count by their dtype, shape and layout only.
+
+    The reads are seeded: torch's CPU generator and the global generators of :mod:`random` and NumPy are seeded
+    with the index before each read and restored afterwards, so a dataset that draws a random augmentation inside
+    ``__getitem__`` from them gets the same fingerprint on every rank. A dataset with a generator of its own gets
+    a different one on each rank. A dataset object with attributes is read through a shallow copy, so state that it
+    opens on its first read (an HDF5 or LMDB handle, set as an attribute) is not left open in this process, for
+    DataLoader workers to inherit; what a wrapped dataset opens (inside a ``Subset``) is, as with any read.
+
+    Args:
+        dataset: a map-style dataset.
+
+    Returns:
+        12 lowercase hex digits, the same in every process for the same samples.
+
+    Raises:
+        Exception: whatever ``dataset[i]`` raises.
+
+    Examples:
+        >>> import torch
+        >>> from ignite_ext.data.cache.identity import default_name, sample_fingerprint
+        >>> train, val = [torch.ones(3)] * 4, [-torch.ones(3)] * 4
+        >>> default_name(train) == default_name(val), sample_fingerprint(train) == sample_fingerprint(val)
+        (True, False)
+        >>> sample_fingerprint(train) == sample_fingerprint([torch.ones(3) for _ in range(4)])
+        True
+
+    .. versionadded:: 0.3.0
+    """
+    n = len(dataset)
+    reader = dataset
+    if hasattr(dataset, "__dict__"):  # builtins (lists, tuples) have no state to open; copying them costs O(n)
+        try:
+            reader = copy.copy(dataset)
+        except Exception:  # an object that refuses to be copied is read as it is
+            reader = dataset
+    digest = hashlib.sha256(b"%d|" % n)
+    with _seeded() as seed:
+        for i in fingerprint_indices(n):
+            seed(i)
+            try:
+                sample = reader[i]
+            except Exception:
+                if reader is dataset:
+                    raise
+                # A copy can be broken where the dataset is not (a __getstate__ that leaves out what reads need):
+                # the copy is only a precaution, so read the dataset itself, and let its own error stand.
+                reader = dataset
+                seed(i)
+                sample = reader[i]
+            digest.update(b"#%d|" % i)
+            _feed(digest, sample)
+    return digest.hexdigest()[:12]
+
+
+@contextlib.contextmanager
+def _seeded() -> Iterator[Any]:
+    """Yield ``seed(i)``, which seeds the global generators; restore their states on the way out."""
+    # Only torch's CPU generator: torch.manual_seed would also reseed CUDA's, which this does not restore.
+    states = (torch.get_rng_state(), random.getstate(), np.random.get_state())
+
+    def seed(i: int) -> None:
+        torch.default_generator.manual_seed(i)
+        random.seed(i)
+        np.random.seed(i)
+
+    try:
+        yield seed
+    finally:
+        torch.set_rng_state(states[0])
+        random.setstate(states[1])
+        np.random.set_state(states[2])
+
+
+_NESTING = 32  # deeper than any sample; a container that contains itself stops here
+
+
+def _feed(digest: HASH, value: Any, depth: int = _NESTING) -> None:
+    """Add ``value``'s type and content to ``digest`` (see :func:`sample_fingerprint`), unambiguously."""
+    kind = type(value)
+    digest.update(f"{kind.__module__}.{kind.__qualname__}|".encode())
+    if depth <= 0:
+        return
+    if isinstance(value, torch.Tensor):
+        digest.update(f"{value.dtype}{tuple(value.shape)}{value.layout}|".encode())
+        if value.layout is torch.strided and not value.is_quantized:
+            flat = value.detach().cpu().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+            digest.update(flat.numpy().data)
+        return
+    if isinstance(value, np.ndarray) and not value.dtype.hasobject:
+        digest.update(f"{value.dtype.str}{value.shape}|".encode())
+        digest.update(np.ascontiguousarray(value).reshape(-1).view(np.uint8).data)
+        return
+    if isinstance(value, str):
+        value = value.encode("utf-8", "surrogatepass")
+    if isinstance(value, bytes | bytearray | memoryview):
+        raw = value if isinstance(value, bytes) else bytes(value)  # a memoryview's len() counts items, not bytes
+        digest.update(b"%d|" % len(raw))
+        digest.update(raw)
+        return
+    if value is None or isinstance(value, bool | int | float | complex):
+        digest.update(repr(value).encode() + b"|")
+        return
+    if isinstance(value, list | tuple):
+        digest.update(b"%d|" % len(value))
+        for item in value:
+            _feed(digest, item, depth - 1)
+        return
+    if isinstance(value, dict):
+        digest.update(b"%d|" % len(value))
+        for key, item in value.items():
+            _feed(digest, key, depth - 1)
+            _feed(digest, item, depth - 1)
+        return
+    if isinstance(value, set | frozenset):  # their order varies with the per-process salted hash()
+        items = []
+        for item in value:
+            one = hashlib.sha256()
+            _feed(one, item, depth - 1)
+            items.append(one.digest())
+        digest.update(b"%d|" % len(items) + b"".join(sorted(items)))
+        return
+    try:
+        raw = pickle.dumps(value, protocol=4)  # one protocol on every rank, whatever pickle's default becomes
+    except Exception:  # an object that does not pickle counts by its type only
+        return
+    digest.update(b"%d|" % len(raw))
+    digest.update(raw)

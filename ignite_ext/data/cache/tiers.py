@@ -17,8 +17,9 @@ RAM tier. :meth:`Tiers.totals` adds them up in the order of
 
 *Creation*: :func:`create_tiers` in one process; :func:`node_tiers` for a node, collectively: one
 :func:`~ignite_ext.distributed.agree` in which every rank checks its own arguments (name, ``disk_dir``,
-``disk_bytes``) and the node's local rank 0 creates both files, so a bad argument on any rank, or a tier that
-does not fit on a creating rank, raises on every rank.
+``disk_bytes``), fingerprints its dataset's samples (:mod:`~ignite_ext.data.cache.identity`) and the node's local
+rank 0 creates both files, so a bad argument or a sample that fails to load on any rank, caches that do not pair
+(name, construction site, samples), or a tier that does not fit on a creating rank, raise on every rank.
 
 .. versionadded:: 0.2.0
 """
@@ -29,12 +30,12 @@ import os
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ignite_ext.data.cache.arena import Arena
 from ignite_ext.data.cache.codec import Encoded
 from ignite_ext.data.cache.disk import NetworkFilesystemWarning, check_disk_dir, network_filesystem
-from ignite_ext.data.cache.identity import checked_name
+from ignite_ext.data.cache.identity import checked_name, construction_site, fingerprint_indices, sample_fingerprint
 
 __all__ = ["DiskOption", "Tiers", "create_tiers", "disk_option", "node_tiers"]
 
@@ -209,6 +210,25 @@ def create_tiers(n: int, capacity: int | None, disk: DiskOption | None, rows: in
     return Tiers([ram, on_disk])
 
 
+class _Setup(NamedTuple):
+    """What one rank brings to a node cache's construction; the ranks of each node must bring the same."""
+
+    node: int
+    local_rank: int
+    length: int
+    name: str
+    given: bool  # name= was given: it stands for the construction site too
+    site: str
+    samples: str  # sample_fingerprint, or "" on a node of one rank (nothing to pair)
+    disk_dir: str | None
+    paths: tuple[str, ...]
+
+    def identity(self) -> str:
+        """What pairs this cache, as the error shows it: exactly what is compared."""
+        what = f"{self.name!r} (given)" if self.given else f"{self.name} from {self.site}"
+        return f"{what}, samples #{self.samples}" if self.samples else what
+
+
 def node_tiers(
     dataset: Any,
     n: int,
@@ -219,11 +239,16 @@ def node_tiers(
 ) -> tuple[Tiers, str, DiskOption | None]:
     """Create the node's tiers on its local rank 0 and attach them on the other ranks of the node (collective).
 
-    Every rank sends its node, local rank, length, cache name, checked ``disk_dir`` and (local rank 0) the paths
-    of the tiers it created; the ranks of each node must agree on the length, the name and the ``disk_dir``, or
-    every rank raises. Returns the tiers, this rank's name and its disk option.
+    Every rank sends its node, local rank, length, cache name, construction site
+    (:func:`~ignite_ext.data.cache.identity.construction_site`), sample fingerprint
+    (:func:`~ignite_ext.data.cache.identity.sample_fingerprint`, on nodes of more than one rank), checked
+    ``disk_dir`` and (local rank 0) the paths of the tiers it created; the ranks of each node must agree on the
+    length, the name, the site (unless ``name`` is given), the fingerprint and the ``disk_dir``, or every rank
+    raises. Returns the tiers, this rank's name and its disk option.
 
     .. versionadded:: 0.2.0
+    .. versionchanged:: 0.3.0
+       The construction site and the sample fingerprint must agree too.
     """
     import ignite.distributed as idist
 
@@ -231,33 +256,51 @@ def node_tiers(
     from ignite_ext.distributed.agreement import disagreement
 
     node, local_rank = idist.get_node_rank(), idist.get_local_rank()
+    # Outside the agreed step, so that every rank counts this construction even where the step fails on one rank:
+    # the next construction at this line must still pair with the others' next one.
+    site = construction_site()
     created: list[Tiers] = []
     disk: list[DiskOption | None] = []
 
-    def setup() -> tuple[int, int, int, str, str | None, tuple[str, ...]]:
+    def setup() -> _Setup:
         mine = checked_name(dataset, name)
         disk.append(disk_option(disk_dir, disk_bytes))
+        # Inside the agreed step: a sample that fails to load fails the construction on every rank.
+        samples = sample_fingerprint(dataset) if idist.get_nproc_per_node() > 1 else ""
         if local_rank == 0:
             created.append(create_tiers(n, capacity, disk[0], rows=idist.get_nproc_per_node()))
         paths = tuple(a.path for a in created[0].arenas) if created else ()
-        return node, local_rank, n, mine, disk[0].directory if disk[0] is not None else None, paths
+        directory = disk[0].directory if disk[0] is not None else None
+        return _Setup(node, local_rank, n, mine, name is not None, site, samples, directory, paths)
 
-    def differ(entries: list[tuple[int, int, int, str, str | None, tuple[str, ...]]]) -> str | None:
-        lengths = sorted({(e[0], e[2]) for e in entries})
-        if len(lengths) != len({e[0] for e in entries}):
+    def differ(entries: list[_Setup]) -> str | None:
+        lengths = sorted({(e.node, e.length) for e in entries})
+        if len(lengths) != len({e.node for e in entries}):
             return f"ranks of one node wrap datasets of different lengths (node, length): {lengths}"
-        names, dirs = [], []
-        for nd in sorted({e[0] for e in entries}):
-            on_node = sorted(e for e in entries if e[0] == nd)
-            if (problem := disagreement([e[3] for e in on_node])) is not None:
-                names.append(f"node {nd}, by local rank: {problem}")
-            if (problem := disagreement([e[4] for e in on_node])) is not None:
+        named, sampled, dirs = [], [], []
+        for nd in sorted({e.node for e in entries}):
+            on_node = sorted((e for e in entries if e.node == nd), key=lambda e: e.local_rank)
+            if (problem := disagreement([e.identity() for e in on_node])) is not None:
+                pairs = {(e.name, e.given, "" if e.given else e.site) for e in on_node}
+                if len(pairs) > 1:
+                    named.append(f"node {nd}, by local rank: {problem}")
+                else:
+                    at = list(fingerprint_indices(on_node[0].length))
+                    sampled.append(f"node {nd}, samples at indices {at}, by local rank: {problem}")
+            if (problem := disagreement([e.disk_dir for e in on_node])) is not None:
                 dirs.append(f"node {nd}, by local rank: {problem}")
-        if names:
+        if named:
             return (
-                f"ranks of one node construct different caches at this call ({'; '.join(names)}). Construct the "
-                "node caches in the same order on every rank, or, if these are the same dataset, pass the same "
-                "name= on every rank"
+                f"ranks of one node construct different caches at this call ({'; '.join(named)}). Construct the "
+                "node caches in the same order on every rank (each one from the same line of code on all of them), "
+                "or, if these are the same dataset, pass the same name= on every rank"
+            )
+        if sampled:
+            return (
+                f"ranks of one node construct caches of different samples at this call ({'; '.join(sampled)}): "
+                "these are different datasets (a name= pairs only caches of the same samples). Construct the node "
+                "caches in the same order on every rank; a dataset whose samples differ between ranks (drawn from "
+                'a random generator of its own, or depending on the rank) cannot share a node cache: use scope="rank"'
             )
         if dirs:
             return (
@@ -272,8 +315,8 @@ def node_tiers(
         for tiers in created:  # another rank failed: this rank's files are of no use to anyone
             tiers.close()
         raise
-    mine = next(e[3] for e in entries if e[0] == node and e[1] == local_rank)
+    own = next(e for e in entries if e.node == node and e.local_rank == local_rank)
     if created:
-        return created[0], mine, disk[0]
-    paths = next(e[5] for e in entries if e[0] == node and e[1] == 0)
-    return Tiers([Arena.attach(path) for path in paths]), mine, disk[0]
+        return created[0], own.name, disk[0]
+    paths = next(e.paths for e in entries if e.node == node and e.local_rank == 0)
+    return Tiers([Arena.attach(path) for path in paths]), own.name, disk[0]
