@@ -54,6 +54,7 @@ def counting_fs_ops() -> Iterator[dict[str, int]]:
 
     def census() -> bool:
         return not threading.current_thread().name.startswith(_LIVENESS_THREADS)
+
     originals = {name: getattr(os, name) for name in COUNTED}
     real_open = builtins.open
 

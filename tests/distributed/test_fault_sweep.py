@@ -3,7 +3,8 @@
 Each trial runs the sweep's scenario on real gloo ranks and checks every invariant of
 :func:`benchmarks.fault_sweep.check` (no hang, typed errors only, exactly the lost ranks named, sorted and alike on
 every survivor, all failing in the same block, no body run twice or after a failure it waited on, detection within
-``4/3 T`` plus the remaining work and slack). The sample's seed is printed and differs from run to run; a failing
+``4/3 T`` plus the remaining work and slack, or within the remaining work and slack alone for a process that ended
+on a live host, which its keeper reports). The sample's seed is printed and differs from run to run; a failing
 seed replays with ``python -m benchmarks.fault_sweep --sample K --seed S``.
 """
 
@@ -28,6 +29,7 @@ from benchmarks.fault_sweep import (
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
 T = 3.0
+EXIT_T = 10.0  # the exit trials' heartbeat timeout (see benchmarks.fault_sweep)
 
 
 def _passes(result: TrialResult) -> None:
@@ -94,6 +96,8 @@ def test_a_seeded_sample_of_the_whole_scope() -> None:
     print(f"fault sweep sample: seed {seed} (IGNITE_EXT_SWEEP_SEED={seed} replays it)")
     rng = random.Random(seed)
     trials = rng.sample(fault_trials(4, "kill", T), 6) + rng.sample(fault_trials(4, "pause", T), 2)
+    # Processes ending on a live host, at T = 10 s: only their keepers can report them within the bound.
+    trials += rng.sample(fault_trials(4, "exit", EXIT_T, stores=("agent",)), 3)
     # Crash points: a rank exits just before or after its k-th store request, k up to its count in a clean run.
     trials += rng.sample(crash_trials(4, T, count_requests(4, T)), 6)
     failed = []

@@ -4,6 +4,10 @@
   clock of its own).
 * :mod:`~ignite_ext.distributed.liveness.heartbeat`: its driver, one daemon thread per process and store, which
   beats, reads, posts the cuts and wakes the process's waiting threads.
+* :mod:`~ignite_ext.distributed.liveness.keeper`: the keeper, a process beside each rank that beats for it while
+  its process runs (a GIL hold is not a death) and reports its process's end at once.
+* :mod:`~ignite_ext.distributed.liveness.watch`: the rank's side of it, and the thread that hears of each cut as
+  it is posted.
 * :mod:`~ignite_ext.distributed.liveness.settings`: the settings, read from the environment.
 
 Nothing starts at import: :func:`watch_for_groups` starts the thread that waits for a process group.
@@ -19,6 +23,7 @@ from ignite_ext.distributed.liveness.settings import (
     env_float,
     heartbeat_timeout,
     log_interval,
+    process_watch,
 )
 
 __all__ = [
@@ -30,5 +35,6 @@ __all__ = [
     "env_float",
     "heartbeat_timeout",
     "log_interval",
+    "process_watch",
     "watch_for_groups",
 ]
