@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import sys
 import threading
 import time
 from typing import Any
@@ -210,3 +211,30 @@ def test_what_a_keeper_sees_of_a_process() -> None:
     finally:
         child.kill()
         child.wait()
+
+
+def body_forks_then_waits_for_a_death(kill_at: float) -> dict[str, Any]:
+    with idist.one_rank_first():
+        pass
+    child = os.fork()
+    if child == 0:
+        sys.exit(0)  # a normal exit runs the exit handlers, as a user's forked helper would
+    os.waitpid(child, 0)
+    time.sleep(0.2)
+    from ignite_ext.distributed.liveness.heartbeat import Heartbeat
+
+    listening = [hb._listener is not None and hb._listener._thread.is_alive() for hb in Heartbeat._instances.values()]
+    return {**body_waits_for_a_death([2], kill_at, 8.0), "listening": listening}
+
+
+def test_a_forked_child_ending_normally_leaves_its_parents_watching_alone(world: World) -> None:
+    # The child's exit handlers must neither say goodbye to the parent's keeper nor shut down the parent's listener
+    # connection (a socket shared by the fork): the death is then still reported by the keeper, at once.
+    t, kill_at = 30.0, 2.0
+    results = world.results(
+        body_forks_then_waits_for_a_death, kill_at, env={"IGNITE_EXT_HEARTBEAT_TIMEOUT": str(t)}, deadline=90
+    )
+    for r in results[:2] + results[3:]:
+        assert r.ok and r.value["listening"] == [True], str(r)  # the fork's exit left the connection alone
+        assert r.value["outcome"] == "RankFailedError" and r.value["dead"] == [2], str(r)
+        assert r.value["after"] < kill_at + t / 6, r.value

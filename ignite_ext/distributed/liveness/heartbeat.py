@@ -22,6 +22,7 @@ The cost of a failure: per suspicion, two reads of ``N`` counters by each watche
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import threading
 import time
@@ -47,6 +48,8 @@ from ignite_ext.distributed.liveness.settings import beat_interval, early_heartb
 from ignite_ext.distributed.liveness.watch import CutListener, KeeperHandle, wire_address
 
 __all__ = ["Heartbeat", "watch_for_groups"]
+
+_log = logging.getLogger(__name__)
 
 
 class Heartbeat:
@@ -226,9 +229,13 @@ class Heartbeat:
         except (OSError, ValueError):
             return  # not proven: detection by silence alone
         identity = process_identity(os.getpid())
-        if identity is not None:
-            put(self._client, proc_key(self.rank), identity.encode())
+        if identity is None or not hasattr(os, "pidfd_open"):
+            return  # no /proc or no pidfd (not Linux 5.3+): no keeper, the listener still hears each cut at once
+        put(self._client, proc_key(self.rank), identity.encode())
+        try:
             self._keeper = KeeperHandle(address, self.rank, self._detector.world_size, self._every)
+        except OSError as exc:  # no interpreter to start (an embedding application): detection by silence alone
+            _log.debug("ignite_ext: no keeper for rank %d: %s", self.rank, exc)
 
     def _on_cut(self, index: int) -> None:
         self._heard = max(self._heard, index)

@@ -131,6 +131,10 @@ class WireStore:
         self._sock.sendall(b"".join(parts))
         self._exactly(1)
 
+    def detach(self) -> None:
+        """Close this process's descriptor only: the connection goes on for the other holders (a forked parent)."""
+        self._sock.close()
+
     def close(self) -> None:
         """Close the connection; a :meth:`wait` blocked in another thread returns with an error."""
         with contextlib.suppress(OSError):

@@ -95,7 +95,12 @@ def process_watch() -> bool:
     ``4/3 T``) and a rank whose heartbeat thread cannot run for ``T`` (a long GIL hold) is declared dead.
 
     Examples:
+        >>> import os
         >>> from ignite_ext.distributed.liveness.settings import process_watch
+        >>> os.environ["IGNITE_EXT_PROCESS_WATCH"] = "0"
+        >>> process_watch()
+        False
+        >>> del os.environ["IGNITE_EXT_PROCESS_WATCH"]
         >>> process_watch()
         True
 

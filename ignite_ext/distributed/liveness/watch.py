@@ -198,6 +198,7 @@ class CutListener:
             raise ValueError("the wire client does not read what torch's client wrote: no process watching")
         self._wire.settimeout(None)  # it blocks until the next cut, however long
         self._on_cut = on_cut
+        self._owner = os.getpid()  # a forked child holds the same socket: its exit must not shut it down
         self._thread = threading.Thread(target=self._run, args=(first,), name="ignite_ext-cuts", daemon=True)
         self._thread.start()
 
@@ -211,6 +212,9 @@ class CutListener:
             return
 
     def close(self) -> None:
-        """End the thread (its blocked wait returns at once)."""
+        """End the thread (its blocked wait returns at once); in a forked child, only let go of the copy."""
+        if os.getpid() != self._owner:
+            self._wire.detach()
+            return
         self._wire.close()
         self._thread.join(timeout=1.0)
