@@ -196,6 +196,7 @@ def _under_load(local_rank: int, out: str, blocks: int, t: float) -> None:
     import random
 
     import ignite_ext.distributed as idist
+    from ignite_ext.errors import IgniteExtError
 
     rank = idist.get_rank()
     rng = random.Random(rank)
@@ -211,35 +212,36 @@ def _under_load(local_rank: int, out: str, blocks: int, t: float) -> None:
                 _hold_the_gil(1.5 * t)  # the others wait at the next entry
                 holds += 1
             done += 1
-    except idist.IgniteExtError as exc:
-        error = type(exc).__name__
+    except IgniteExtError as exc:
+        error = f"{type(exc).__name__}: {str(exc)[:300]}"
     Path(out, f"rank{rank}.json").write_text(
         json.dumps({"done": done, "holds": holds, "error": error, "seconds": time.monotonic() - start})
     )
 
 
-def _false_positives(watch: str, quick: bool) -> tuple[int, int, float, int]:
-    """Runs that lost a live rank, runs, rank-seconds watched and GIL holds, with ``IGNITE_EXT_PROCESS_WATCH=watch``."""
+def _false_positives(watch: str, quick: bool) -> tuple[int, int, float, int, str]:
+    """Runs that lost a live rank, runs, rank-seconds, GIL holds and the first error; keepers on (``watch="1"``)."""
     t = 2.0
     env = {"IGNITE_EXT_HEARTBEAT_TIMEOUT": str(t), "IGNITE_EXT_PROCESS_WATCH": watch}
     hogs = [
         subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)
     ]  # the machine is loaded: every core busy besides the ranks
     lost_runs = runs = holds = 0
-    rank_seconds = 0.0
+    rank_seconds, first_error = 0.0, ""
     try:
         for _ in range(1 if quick else 3):
             out = run_ranks(_under_load, 4, env, 8 if quick else 16, t)
             ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(4)]
             runs += 1
             lost_runs += any(r["error"] for r in ranks)
+            first_error = first_error or next((r["error"] for r in ranks if r["error"]), "")
             rank_seconds += sum(r["seconds"] for r in ranks)
             holds += sum(r["holds"] for r in ranks)
     finally:
         for hog in hogs:
             hog.kill()
             hog.wait()
-    return lost_runs, runs, rank_seconds, holds
+    return lost_runs, runs, rank_seconds, holds, first_error
 
 
 def run(quick: bool = False) -> dict[str, Any]:
@@ -274,13 +276,14 @@ def run(quick: bool = False) -> dict[str, Any]:
                 }
             )
     false_positives = {watch: _false_positives(watch, quick) for watch in ("1", "0")}
-    for watch, (lost_runs, runs, rank_seconds, holds) in false_positives.items():
+    for watch, (lost_runs, runs, rank_seconds, holds, error) in false_positives.items():
         rows.append(
             {
                 "measure": f"false positives under load, keepers {'on' if watch == '1' else 'off'}",
                 "runs losing a live rank": f"{lost_runs} of {runs}",
                 "rank-seconds watched": round(rank_seconds),
                 "GIL holds of 1.5 T": holds,
+                "first error": error[:120],
             }
         )
     worst_requests = max(r["waiting rank (max)"] for r in rows if "waiting rank (max)" in r)

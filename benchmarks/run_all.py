@@ -103,6 +103,8 @@ def main() -> None:
     sections = ["Results", "-------", ""]
     for path in sorted(RESULTS.glob("*.json")):
         result = json.loads(path.read_text())
+        if "title" not in result:  # not a bench_ module's result (the fault sweep's table has a page of its own)
+            continue
         run_kind = "quick run" if result.get("quick") else "full run"
         result["summary"] = f"{result['summary']} ({run_kind}, {result['seconds']} s)"
         sections.append(_rst(path.stem, result, (DOCS / "benchmarks" / f"{path.stem}.png").exists()))
