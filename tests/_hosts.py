@@ -4,7 +4,8 @@ A :class:`HostBed` of ``n`` hosts is made by the test itself, and always torn do
 
 * A **host** is one ``unshare --net --uts --mount --pid --fork --mount-proc`` process. Its init (``sh``, PID 1 of
   the host's PID namespace) sets the host up and then waits on a pipe from this process: a hostname of its own,
-  private tmpfs ``/tmp`` and ``/dev/shm``, an ``/etc/hosts`` naming every host of the bed, and the bed's shared
+  private tmpfs ``/tmp`` and ``/dev/shm``, an ``/etc/hosts`` naming every host of the bed (and a resolver on its
+  own loopback, which refuses: no query leaves the bed), and the bed's shared
   directory bind-mounted at the path given for that host. Its network namespace has its own loopback and one
   veth pair to the bed's bridge, ``eth0`` with ``10.77.0.<k+1>/24``. Killing that init kills every process of
   the host at once (the kernel does it: torchrun's workers run in sessions of their own, so no process group
@@ -225,6 +226,10 @@ class HostBed:
             names = [(f"{_SUBNET}.{k + 1}", f"{self.prefix}-h{k}") for k in range(n)]
             hosts_file = self.dir / "hosts"
             hosts_file.write_text("127.0.0.1 localhost\n" + "".join(f"{ip} {name}\n" for ip, name in names))
+            # Names are resolved from /etc/hosts only: a query to the machine's resolver is traffic outside the bed,
+            # and a TCPStore server resolves each connecting client's name in its only thread, so a resolver that
+            # does not answer froze the store for seconds. The host's own loopback refuses the query at once.
+            (self.dir / "resolv.conf").write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
             for k, (ip, name) in enumerate(names):
                 at = shared_at[k] if k < len(shared_at) else None
                 self.hosts.append(self._host(k, name, ip, Path(at) if at else self.shared, hosts_file))
@@ -260,6 +265,7 @@ class HostBed:
                 f"mkdir -p {q(str(at))}",
                 f"mount --move {q(str(stage))} {q(str(at))}",
                 f"mount --bind {q(str(hosts_file))} /etc/hosts",
+                f"mount --bind {q(str(hosts_file.parent / 'resolv.conf'))} /etc/resolv.conf || true",
                 "echo ready",
                 "read _ || true",  # until this process closes the pipe, or dies
             ]

@@ -93,8 +93,10 @@ def _one_process_unless_distributed(request: pytest.FixtureRequest, monkeypatch:
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def _launched_worlds() -> Iterator[dict[str, LaunchedWorld]]:
+    # Per module, not per session: an idle Horovod world spins (its background threads poll), and kept until the
+    # session's end it took a core from every later test. A module that needs one again starts it again.
     worlds: dict[str, LaunchedWorld] = {}
     yield worlds
     for w in worlds.values():

@@ -66,11 +66,17 @@ def test_hung_rank_declared_dead(world: World) -> None:
     if world.collective:
         pytest.skip("the collective channel notices only what the backend notices: a stopped rank is a hang")
     # Rank 1 stops (SIGSTOP: a hung process, which no launcher notices) inside its block and is killed 14 s later.
-    results = world.results(_bodies.stopped, 1, 14.0, env={"IGNITE_EXT_HEARTBEAT_TIMEOUT": "5"})
+    t = 5.0
+    results = world.results(_bodies.stopped, 1, 14.0, env={"IGNITE_EXT_HEARTBEAT_TIMEOUT": str(t)})
     assert not results[1].ok and results[1].exc_type is None, "the stopped rank cannot have reported"
     others = [r for r in results if r.rank != 1]
     _assert_declared_dead(others)
-    assert all(r.value["left"] - r.value["entered"] < 10.0 for r in others), [r.value for r in others]
+    # 4/3 T to report it (the detector's bound), the fault sweep's slack for a loaded two-core machine (T/2 + 1 s),
+    # and a second for rank 1 to stop after the entry; still well before the SIGKILL at 14 s, which its keeper
+    # would report as a death instead of a silence.
+    bound = 4 / 3 * t + t / 2 + 2.0
+    waited = [round(r.value["left"] - r.value["entered"], 2) for r in others]
+    assert all(w < bound for w in waited), (waited, bound)
 
 
 def _assert_declared_dead(others: list[RankResult]) -> None:
