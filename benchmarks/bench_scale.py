@@ -98,11 +98,9 @@ def _count_requests(local_rank: int, out: str, lengths: list[float]) -> None:
 
 def _kill_keeper() -> None:
     """SIGKILL this rank's keeper (its child process), as a lost host takes it along."""
-    children: list[int] = []
-    for task in os.listdir(f"/proc/{os.getpid()}/task"):
-        with open(f"/proc/{os.getpid()}/task/{task}/children") as f:
-            children += [int(c) for c in f.read().split()]
-    for child in set(children):
+    from benchmarks.fault_sweep import keepers
+
+    for child in set(keepers(os.getpid())):
         os.kill(child, signal.SIGKILL)
 
 

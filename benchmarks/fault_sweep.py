@@ -69,6 +69,7 @@ __all__ = [
     "count_requests",
     "crash_trials",
     "fault_trials",
+    "keepers",
     "requests_in_block",
     "run_trial",
 ]
@@ -308,7 +309,7 @@ def _store_server(kind: str, ctx: Any) -> Iterator[int]:
         proc.join()
 
 
-def _keepers(pid: int) -> list[int]:
+def keepers(pid: int) -> list[int]:
     """The keeper processes of rank process ``pid``: its children (the rank starts no other process here)."""
     children: list[int] = []
     with contextlib.suppress(OSError):
@@ -321,7 +322,7 @@ def _keepers(pid: int) -> list[int]:
 def _wait_for_keepers(pids: list[int], seconds: float) -> bool:
     """Whether every rank of ``pids`` has its keeper within ``seconds``."""
     end = time.monotonic() + seconds
-    while not all(_keepers(pid) for pid in pids):
+    while not all(keepers(pid) for pid in pids):
         if time.monotonic() > end:
             return False
         time.sleep(0.02)
@@ -352,7 +353,7 @@ def run_trial(trial: Trial, ctx: Any = None) -> TrialResult:
                     result.kept = _wait_for_keepers([procs[v].pid for v in trial.victims], 0.5)
                 if trial.fault == "kill":  # the host goes, the keepers with it (first: they must not report)
                     for v in trial.victims:
-                        for keeper in _keepers(procs[v].pid):
+                        for keeper in keepers(procs[v].pid):
                             os.kill(keeper, signal.SIGKILL)
                 for v in trial.victims:
                     os.kill(procs[v].pid, sig)
@@ -367,7 +368,7 @@ def run_trial(trial: Trial, ctx: Any = None) -> TrialResult:
         finally:
             for proc in procs:
                 if proc.is_alive():
-                    for keeper in _keepers(proc.pid):
+                    for keeper in keepers(proc.pid):
                         with contextlib.suppress(ProcessLookupError):
                             os.kill(keeper, signal.SIGKILL)
                     with contextlib.suppress(ProcessLookupError):
