@@ -605,20 +605,21 @@ def pattern(victims: tuple[int, ...], n: int) -> str:
 
 
 def table(results: list[TrialResult]) -> list[dict[str, Any]]:
-    """One row per fault, moment (or crash point's rank) and pattern: trials, passed, worst detection."""
-    groups: dict[tuple[int, str, str, str], list[TrialResult]] = {}
+    """One row per store, fault, moment (or crash point's rank) and pattern: trials, passed, worst detection."""
+    groups: dict[tuple[int, str, str, str, str], list[TrialResult]] = {}
     for r in results:
         t = r.trial
         where = t.moment if t.fault != "crash" else f"rank {t.victims[0]}'s requests"
-        key = (t.n, t.fault, where, pattern(t.victims, t.n) if t.fault != "crash" else "one rank")
+        key = (t.n, t.store, t.fault, where, pattern(t.victims, t.n) if t.fault != "crash" else "one rank")
         groups.setdefault(key, []).append(r)
     rows = []
-    for (n, fault, where, kind), group in groups.items():
+    for (n, store, fault, where, kind), group in groups.items():
         t = group[0].trial.heartbeat_timeout
         worst = max((s for r in group for s in r.detection.values()), default=None)
         rows.append(
             {
                 "N": n,
+                "store": store,
                 "T (s)": t,
                 "fault": fault,
                 "moment": where,

@@ -17,7 +17,7 @@ Every key lives under ``ignite_ext/``; this module is the only place that spells
                                          cut i, once
     ignite_ext/sched/<seq>/entry/<rank>  rank, on entering       by rank, after block seq+1's verdict   entry JSON
     ignite_ext/sched/<seq>/entered       every rank (add)        by rank 0, idem                  counter
-    ignite_ext/sched/<seq>/verdict       rank 0                  by rank 0, idem                  verdict JSON
+    ignite_ext/sched/<seq>/verdict       the last rank to enter  by rank 0, idem                  verdict JSON
     ignite_ext/sched/<seq>/out/<rank>    rank (or who declares   by rank, idem                    outcome JSON
                                          it dead), once
     ignite_ext/sched/<seq>/exits         every rank (add)        by rank 0, idem                  counter
@@ -25,16 +25,19 @@ Every key lives under ``ignite_ext/``; this module is the only place that spells
     ignite_ext/sched/<seq>/fail/<i>      the i-th failing rank   by that rank, idem               failures JSON
     ignite_ext/sched/<seq>/acks          every rank but 0 (add)  by rank 0, idem                  counter
     ignite_ext/sched/<seq>/acked         the last rank to ack    by rank 0, idem                  "1"
-    ignite_ext/sched/<seq>/wake/<rank>   whoever completes what  by rank, idem                    "w"/"t"
-                                         rank waits for, or its
-                                         heartbeat at a slice end
+    ignite_ext/sched/<seq>/wake/<rank>/<phase>  whoever completes by rank, idem                   "w"/"t"
+                                         what rank waits for in
+                                         that phase (the verdict,
+                                         its turn, every exit), or
+                                         its heartbeat at a slice
+                                         end
     ignite_ext/sched/<seq>/lost/<rank>   who finds rank silent   by that rank, idem               "1"
                                          after it posted its
                                          outcome, once
     ignite_ext/sched/<seq>/complete      who finds every outcome by rank 0, idem                  failures JSON
                                          posted after a loss
 
-A block's keys are deleted only once the next block's verdict is known: rank 0 judges block ``seq + 1`` only after
+A block's keys are deleted only once the next block's verdict is known: block ``seq + 1`` is judged only after
 every rank entered it, which proves every rank left block ``seq``. So at most two blocks' keys exist at a time.
 
 .. versionadded:: 0.2.0
@@ -53,6 +56,7 @@ else:
 
 __all__ = [
     "CUTS_KEY",
+    "PHASES",
     "BlockKeys",
     "Store",
     "client_of_this_thread",
@@ -85,6 +89,10 @@ def heartbeat_key(rank: int) -> str:
 #: How many cuts (ranks declared dead together) the group has: see :mod:`ignite_ext.distributed.liveness`.
 CUTS_KEY = f"{_ROOT}/cuts"
 
+#: The phases of a block in which a rank may wait, each with its own wake key: for the verdict (entry), for the ranks
+#: its turn comes after (turn), for every rank to leave (exit).
+PHASES = ("entry", "turn", "exit")
+
 
 def cut_key(index: int) -> str:
     """The ranks of the group's ``index``-th cut (1-based), written once by the first rank that proposed it.
@@ -111,7 +119,7 @@ class BlockKeys:
         >>> keys.outcome(2), keys.exits
         ('ignite_ext/sched/7/out/2', 'ignite_ext/sched/7/exits')
         >>> len(keys.deleted_by(0)), len(keys.deleted_by(1))
-        (10, 3)
+        (12, 5)
 
     .. versionadded:: 0.2.0
     """
@@ -128,7 +136,7 @@ class BlockKeys:
         self.complete = f"{self.prefix}/complete"
 
     def entry(self, rank: int) -> str:
-        """What ``rank`` passed on entering, for rank 0 to judge."""
+        """What ``rank`` passed on entering, for the last rank to enter to judge."""
         return f"{self.prefix}/entry/{rank}"
 
     def outcome(self, rank: int) -> str:
@@ -143,13 +151,17 @@ class BlockKeys:
         """Set by the rank that found ``rank`` silent after it had posted its outcome (it may not have left)."""
         return f"{self.prefix}/lost/{rank}"
 
-    def wake(self, rank: int) -> str:
-        """The key ``rank`` blocks on while it waits; set by whoever completes what it waits for."""
-        return f"{self.prefix}/wake/{rank}"
+    def wake(self, rank: int, phase: str) -> str:
+        """The key ``rank`` blocks on while it waits in ``phase``; set by whoever completes what it waits for.
+
+        One key per phase of the block (:data:`PHASES`): a waiter woken for what it waited for returns without
+        deleting its key, which no later wait of the block uses.
+        """
+        return f"{self.prefix}/wake/{rank}/{phase}"
 
     def deleted_by(self, rank: int) -> list[str]:
         """The keys of this block that ``rank`` deletes (its ``fail/<i>`` keys aside, which only it knows of)."""
-        own = [self.outcome(rank), self.entry(rank), self.wake(rank)]
+        own = [self.outcome(rank), self.entry(rank), *(self.wake(rank, phase) for phase in PHASES)]
         shared = [self.exits, self.nfail, self.acks, self.acked, self.entered, self.verdict, self.complete]
         return [*own, *shared] if rank == 0 else own
 

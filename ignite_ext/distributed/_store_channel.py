@@ -2,14 +2,16 @@
 
 See :mod:`ignite_ext.distributed._channel` for the protocol and :mod:`ignite_ext.distributed._store` for the keys.
 
-**No polling.** A waiting rank blocks in one server-side ``store.wait`` on its own wake key
-(``.../wake/<rank>``). Whoever completes what it waits for sets that key: the rank whose ``add`` makes every rank
-entered (rank 0's key), rank 0 posting the verdict (every other rank's keys, one ``multi_set``), a rank posting
-its outcome (the keys of the ranks whose turn comes after it), the rank whose exit makes every rank left (every
-key). Its own heartbeat thread sets it too, once a slice (the log interval, with jitter) is over, so that the
-waiter checks its timeout and logs, and at once when the group has a new cut (ranks declared dead). A waiter
-always reads its condition after deleting its wake key, so no wake-up is ever lost. A wait therefore costs three
-requests per slice whatever its length, and a waiter is told within a fraction of a millisecond.
+**No polling.** A waiting rank blocks in one server-side ``store.wait`` on its own wake key for the phase of the
+block it is in (``.../wake/<rank>/<phase>``: the verdict, its turn, every exit). Whoever completes what it waits for
+sets that key: the rank whose ``add`` makes every rank entered, as it posts the verdict (every other rank's keys,
+one ``multi_set``), a rank posting its outcome (the keys of the ranks whose turn comes after it), the rank whose
+exit makes every rank left (every key). Its own heartbeat thread sets it too, once a slice (the log interval, with
+jitter) is over, so that the waiter checks its timeout and logs, and at once when the group has a new cut (ranks
+declared dead). Woken, a waiter reads its condition: met, it returns (the key is its phase's, so it is left for
+the block's cleanup); not met, it deletes the key and reads again before waiting again, so no wake-up is ever lost.
+A wait therefore costs two requests when it is told (the wait and one read) and four per slice otherwise, and a
+waiter is told within a fraction of a millisecond.
 
 **Liveness.** Which ranks are dead is decided by :mod:`ignite_ext.distributed.liveness`, once for the group: a
 *cut*, the same set on every rank, within ``4/3 T`` of the deaths whatever their number and pattern. A waiter woken
@@ -26,9 +28,9 @@ overdue or ``timeout=`` is over: a request to a paused or cut-off host would oth
 While a rank waits, its heartbeat thread's beats are armed as well, so that a silent store is found within a beat
 and ``T`` although a slice is long.
 
-**Cost** per rank and block, nothing failing: about 12 requests plus 3 per slice waited (see the scheduling
-guide); per beat 2 requests; rank 0 additionally reads the N entries (one ``multi_get``) and wakes the others (one
-``multi_set``).
+**Cost** per rank and block, nothing failing: about 12 requests plus 4 per slice waited (see the scheduling
+guide); per beat 2 requests; the last rank to enter additionally reads the N entries (one ``multi_get``), judges
+them and wakes the others (one ``multi_set``): nobody relays the entries to a fixed judge.
 
 .. versionadded:: 0.2.0
 """
@@ -36,6 +38,7 @@ guide); per beat 2 requests; rank 0 additionally reads the N entries (one ``mult
 from __future__ import annotations
 
 import contextlib
+import functools
 import random
 import time
 from collections.abc import Callable, Iterable
@@ -143,13 +146,13 @@ class StoreChannel(Channel):
 
     # --- waking and waiting ------------------------------------------------------------------------------------
 
-    def _wake(self, ranks: Iterable[int]) -> None:
-        keys = [self.keys.wake(r) for r in ranks if r != self.rank]
+    def _wake(self, ranks: Iterable[int], phase: str) -> None:
+        keys = [self.keys.wake(r, phase) for r in ranks if r != self.rank]
         if keys:  # one request for all of them (torch's stub does not list multi_set; every c10d store has it)
             self.client.multi_set(keys, ["w"] * len(keys))  # type: ignore[attr-defined]
 
-    def _wake_all(self) -> None:
-        self._wake(range(self.world_size))
+    def _wake_all(self, phase: str) -> None:
+        self._wake(range(self.world_size), phase)
 
     def _bounded(self) -> float | None:
         """Seconds left of ``timeout``."""
@@ -198,16 +201,19 @@ class StoreChannel(Channel):
         if self._token is not None:
             watchdog().extend(self._token, min(time.monotonic() + seconds + heartbeat_timeout(), self._ends_at))
 
-    def _wait(self, ready: Callable[[], T | None], what: str, checked: bool = False, known: T | None = None) -> T:
+    def _wait(
+        self, ready: Callable[[], T | None], what: str, phase: str, checked: bool = False, known: T | None = None
+    ) -> T:
         """Block until ``ready`` returns a value; one store wait per slice; cuts declared between slices; time out.
 
+        ``phase``: the block's phase (:data:`~ignite_ext.distributed._store.PHASES`), whose wake key the waker sets.
         ``checked``: the caller has just learnt what ``ready`` would return, ``known`` (no request then).
         """
         value = known if checked else ready()
         if value is not None:
             return value
         start = logged = time.monotonic()
-        wake = self.keys.wake(self.rank)
+        wake = self.keys.wake(self.rank, phase)
         while True:
             now = time.monotonic()
             left = self._bounded()
@@ -238,6 +244,10 @@ class StoreChannel(Channel):
             finally:
                 self.heartbeat.untick(wake)
             self._expect_answer_within(0.0)
+            if (value := ready()) is not None:  # told: the key stays (no later wait of the block uses it)
+                return value
+            # A slice's end, a cut, or a wake-up left by an earlier wait of this phase: re-arm, then look again
+            # before waiting, so that a wake-up between the look above and the delete is not lost.
             self.client.delete_key(wake)
             if (value := ready()) is not None:
                 return value
@@ -259,7 +269,7 @@ class StoreChannel(Channel):
         return self._step(lambda: self._explain())
 
     def _explain(self) -> RankFailedError | None:
-        wake, ends = self.keys.wake(self.rank), time.monotonic() + 4 / 3 * heartbeat_timeout() + beat_interval()
+        wake, ends = self.keys.wake(self.rank, "turn"), time.monotonic() + 4 / 3 * heartbeat_timeout() + beat_interval()
         while True:
             if cuts := self.heartbeat.cuts():
                 self._check_not_declared()
@@ -309,11 +319,11 @@ class StoreChannel(Channel):
             verdict = _DEATH_VERDICT + encode_failures(failures) + b"\n%d" % self.rank  # the noticer: one winner
             if put_once(self.client, self.keys.verdict, verdict):
                 log().warning("rank %d: ranks %s dead at the entry (%s)", self.rank, _ranks(cuts), cuts[0].message())
-                self.client.add(self.keys.entered, _DEATH_ENTERED)  # rank 0's one read then tells it
-                self._wake_all()
+                self.client.add(self.keys.entered, _DEATH_ENTERED)  # so that no late entrant judges in vain
+                self._wake_all("entry")
             elif not bytes(self.client.get(self.keys.verdict)).startswith(_DEATH_VERDICT):
-                # Rank 0 judged first (it may have died after posting the verdict, before waking anyone): the dead
-                # ranks are declared in the plan's waits, where their outcomes are posted.
+                # The last rank to enter judged first (it may have died after posting the verdict, before waking
+                # anyone): the dead ranks are declared in the plan's waits, where their outcomes are posted.
                 return True
             self._cuts_seen = len(cuts)
             return True
@@ -336,7 +346,7 @@ class StoreChannel(Channel):
         if put_once(self.client, self.keys.outcome(peer), encode_failures(together) + b"\n%d" % self.rank):
             log().warning("rank %d: declaring rank %d dead (%s)", self.rank, peer, failure.message)
             self._record_exit([failure])
-            self._wake(self._dependents[peer])
+            self._wake(self._dependents[peer], "turn")
             if peer != 0:
                 self._ack()
             return
@@ -362,7 +372,7 @@ class StoreChannel(Channel):
             died=True,
         )
         log().warning("rank %d: declaring rank %d dead (%s)", self.rank, peer, failure.message)
-        self._wake(self._dependents[peer])  # it may have died before waking them: they wait for its outcome
+        self._wake(self._dependents[peer], "turn")  # it may have died before waking them: they wait for its outcome
         index = client.add(keys.nfail, 1)
         put(client, keys.fail(index), encode_failures([failure]))
         self.state.carried.setdefault(self.seq, []).extend([keys.fail(index), keys.lost(peer)])
@@ -400,7 +410,10 @@ class StoreChannel(Channel):
         failures = {f for outcome in self.client.multi_get(outcomes) for f in decode_failures(bytes(outcome))}
         if put_once(self.client, self.keys.complete, encode_failures(sorted(failures, key=lambda f: f.rank))):
             self.client.add(self.keys.exits, _COMPLETE)
-            self._wake_all()  # every rank but this one, which must know without a wake-up: see _record_exit
+            # Every rank but this one, which must know without a wake-up (see _record_exit); in both phases where
+            # a rank may wait, so that none is left behind on a path of failures this one did not foresee.
+            self._wake(range(self.world_size), "turn")
+            self._wake_all("exit")
             return True
         return False
 
@@ -414,9 +427,11 @@ class StoreChannel(Channel):
             self.heartbeat.delete_later([*BlockKeys(seq).deleted_by(self.rank), *self.state.carried.pop(seq, [])])
 
     def exchange(self, mine: bytes, judge: Callable[[list[bytes]], bytes]) -> bytes:
-        """Rank 0 collects every entry from the store, judges, and publishes the verdict: no collective.
+        """The last rank to enter reads every entry from the store, judges, and publishes the verdict: no collective.
 
-        A late rank therefore delays the others without running into the process group's timeout. Each entry
+        Any rank can judge (``judge`` is the same function of the same entries on every rank), and the last one to
+        enter is the first to know that every entry is there: no further hop to a fixed judge. A late rank
+        therefore delays the others without running into the process group's timeout. Each entry
         and the verdict carry a low-water mark line ahead of the payload (see :mod:`ignite_ext.distributed._state`).
         """
 
@@ -439,29 +454,13 @@ class StoreChannel(Channel):
         client, keys = self.client, self.keys
         self._check_not_declared()
         put(client, keys.entry(self.rank), mine)
-        entered = int(client.add(keys.entered, 1))
-        if entered == self.world_size and self.rank != 0:
-            self._wake([0])
-        if self.rank != 0:
-            return self._wait(lambda: read(client, keys.verdict), "rank 0 to check the arguments")
-
-        def entered_or_dead(entered: int) -> bytes | None:
-            if entered >= _DEATH_ENTERED:  # a death at the entry, posted as the verdict by whoever noticed it
-                return bytes(client.get(keys.verdict))
-            return b"" if entered >= self.world_size else None
-
-        posted = self._wait(
-            lambda: entered_or_dead(int(client.add(keys.entered, 0))),
-            "every rank to enter",
-            checked=True,
-            known=entered_or_dead(entered),
-        )
-        if posted:
-            return posted
+        if int(client.add(keys.entered, 1)) != self.world_size:
+            # Not posted yet (the last rank to enter has yet to come), or posted and this rank's key set already.
+            return self._wait(lambda: read(client, keys.verdict), "every rank to enter", "entry", checked=True)
         verdict = judge([bytes(v) for v in client.multi_get([keys.entry(r) for r in range(self.world_size)])])
         if not put_once(client, keys.verdict, verdict):
             return bytes(client.get(keys.verdict))  # a death was posted meanwhile: it wins
-        self._wake_all()
+        self._wake_all("entry")
         return verdict
 
     def _record_exit(self, own: list[RankFailure]) -> int:
@@ -473,7 +472,7 @@ class StoreChannel(Channel):
             self.state.carried.setdefault(self.seq, []).append(keys.fail(index))
         exits = int(client.add(keys.exits, 1 + (self.world_size + 1) * bool(own)))
         if exits % _LOST % (self.world_size + 1) == self.world_size:
-            self._wake_all()  # every rank has left: the ones waiting in leave go on
+            self._wake_all("exit")  # every rank has left: the ones waiting in leave go on
         elif _LOST <= exits < _COMPLETE and self._complete_if_over():
             exits += _COMPLETE  # this rank ended the block: its own wait must not wait for a wake-up of itself
         return exits
@@ -493,7 +492,8 @@ class StoreChannel(Channel):
         inherited: list[RankFailure] = []
         for peer in sorted(self.plan.turns[self.rank].after):
             key = self.keys.outcome(peer)
-            outcome = self._wait(lambda k=key: read(self.client, k), f"rank {peer}")  # type: ignore[misc]
+            # No look first: whoever posts the outcome sets the key after it, and mostly it is still to come.
+            outcome = self._wait(functools.partial(read, self.client, key), f"rank {peer}", "turn", checked=True)
             inherited += decode_failures(outcome)
         return self._unless_declared(_one_per_rank(inherited))
 
@@ -502,12 +502,13 @@ class StoreChannel(Channel):
         if not put_once(self.client, self.keys.outcome(self.rank), encode_failures(own or inherited)):
             raise self._declared_dead()
         exits = self._record_exit(own)
-        self._wake(self._dependents[self.rank])
+        self._wake(self._dependents[self.rank], "turn")
         found = own + inherited
         if not found:
             exits = self._wait(
                 lambda: self._left(int(self.client.add(self.keys.exits, 0))),
                 "every rank to finish",
+                "exit",
                 checked=True,
                 known=self._left(exits),
             )

@@ -12,7 +12,7 @@ the same way.
 
 Cost: one exchange. By default that is :func:`~ignite_ext.distributed._gather.all_gather_bytes` (two
 collectives; every rank receives every rank's outcome, so O(N) bytes per rank); the scheduler passes its store
-channel's exchange instead, where rank 0 judges and every rank reads only the verdict.
+channel's exchange instead, where the last rank to enter judges and every rank reads only the verdict.
 
 .. versionadded:: 0.2.0
 """

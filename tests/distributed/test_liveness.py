@@ -89,22 +89,30 @@ def test_a_rank_dead_after_posting_its_outcome_is_declared(world: World, victim:
 
 
 def body_dies_after_posting_the_verdict() -> dict[str, Any]:
+    from ignite_ext.distributed._channel_choice import scheduler_store
+    from ignite_ext.distributed._state import group_state
+    from ignite_ext.distributed._store import BlockKeys
     from ignite_ext.distributed._store_channel import StoreChannel
 
     with idist.one_rank_first():
         pass  # every rank beats
     if idist.get_rank() == 0:
-        # SIGKILL at the one point in between: verdict posted, nobody woken yet.
-        def die(self: StoreChannel) -> None:
+        # The last rank to enter judges: rank 0 comes last, and dies at the one point in between: verdict posted,
+        # nobody woken yet.
+        def die(self: StoreChannel, phase: str) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
         StoreChannel._wake_all = die  # type: ignore[method-assign]
+        store = scheduler_store()
+        entered = BlockKeys(group_state(store)._next).entered
+        while store is not None and int(store.add(entered, 0)) < idist.get_world_size() - 1:
+            time.sleep(0.01)  # until every other rank has entered the next block
     return _empty_block()
 
 
 def test_rank_0_dead_after_posting_the_verdict_is_declared_in_the_plan(world: World) -> None:
-    # The watcher of rank 0 finds it silent while still waiting at the entry, but a verdict is posted: it reads
-    # it and declares rank 0 in the plan's wait for its outcome, waking the ranks that wait for that outcome.
+    # Rank 0's death is posted while the others still wait at the entry, but a verdict is posted: they read it
+    # and declare rank 0 in the plan's wait for its outcome, waking the ranks that wait for that outcome.
     with StoreServer() as server:
         port = server.port
         env = {"IGNITE_EXT_HEARTBEAT_TIMEOUT": str(T), "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"}

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import os
 import threading
 import time
@@ -79,6 +80,8 @@ class Heartbeat:
         self._port = store_port(self._client)
         self._pending: list[str] = []
         self._ticks: dict[str, float] = {}  # wake key -> when to set it
+        # When the thread wakes next unless woken (infinity while it is deciding): a tick due later needs no wake-up.
+        self._sleeps_until = math.inf
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._cuts: list[Cut] = []
@@ -122,8 +125,10 @@ class Heartbeat:
     def tick(self, key: str, seconds: float) -> None:
         """Set ``key`` in ``seconds`` (ends the caller's slice), or at once when a cut comes, unless :meth:`untick`."""
         with self._lock:
-            self._ticks[key] = time.monotonic() + seconds
-        self._wake.set()
+            at = self._ticks[key] = time.monotonic() + seconds
+            due_earlier = at < self._sleeps_until
+        if due_earlier:  # most slices end long after the next beat: waking the thread for them costs every wait
+            self._wake.set()
 
     def untick(self, key: str) -> None:
         """Forget the :meth:`tick` of ``key`` (its waiter is awake)."""
@@ -255,6 +260,7 @@ class Heartbeat:
         """Set the wake keys whose time has come; return the seconds until the next one."""
         now = time.monotonic()
         with self._lock:  # under the lock: an untick()ed key is never set afterwards
+            self._sleeps_until = math.inf  # until the thread has chosen its sleep, every tick wakes it
             due = [key for key, at in self._ticks.items() if at <= now]
             for key in due:
                 del self._ticks[key]
@@ -277,6 +283,8 @@ class Heartbeat:
                     self._start_watching()
                     until_tick = min(until_tick, max(0.0, self._next_try - time.monotonic()))
                 wait = min(until_tick, max(0.0, next_beat - time.monotonic()))
+                with self._lock:
+                    self._sleeps_until = time.monotonic() + wait
                 self._wake.wait(wait)
                 self._wake.clear()
                 if _STOPPING.is_set():
