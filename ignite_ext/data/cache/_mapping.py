@@ -24,6 +24,8 @@ __all__ = [
     "H_CAPACITY",
     "H_DATA",
     "H_FULL",
+    "H_JOB",
+    "H_KEY",
     "H_MAGIC",
     "H_N",
     "H_ROWS",
@@ -54,8 +56,9 @@ VERSION = 1
 HEADER_BYTES = 4096
 ALIGN = 64
 
-# Header words.
-H_MAGIC, H_VERSION, H_N, H_CAPACITY, H_TABLE, H_STATS, H_DATA, H_USED, H_ROWS, H_FULL = range(10)
+# Header words. H_JOB and H_KEY stamp the job and the cache that created the arena (see .restart); arenas of
+# version 1 written before them hold 0 there, which no job is.
+H_MAGIC, H_VERSION, H_N, H_CAPACITY, H_TABLE, H_STATS, H_DATA, H_USED, H_ROWS, H_FULL, H_JOB, H_KEY = range(12)
 # Index table: three words per dataset index.
 ENTRY_WORDS = 3
 EMPTY, READY = 0, 1

@@ -29,6 +29,7 @@ import contextlib
 import fcntl
 import mmap
 import os
+import warnings
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -45,6 +46,8 @@ from ignite_ext.data.cache._mapping import (
     H_CAPACITY,
     H_DATA,
     H_FULL,
+    H_JOB,
+    H_KEY,
     H_MAGIC,
     H_N,
     H_ROWS,
@@ -69,8 +72,24 @@ from ignite_ext.data.cache._mapping import (
     open_local,
     origin_of,
 )
+from ignite_ext.data.cache.restart import NO_JOB
 from ignite_ext.data.cache.shm import MIN_CAPACITY, SHM_DIR, remove_files
 from ignite_ext.errors import ShmSpaceError
+
+
+def _layout(n: int, rows: int) -> tuple[int, int, int]:
+    """Where the index table, the counters and the data area start in an arena of ``n`` indices and ``rows`` rows."""
+    table_off = HEADER_BYTES
+    stats_off = aligned(table_off + n * ENTRY_WORDS * 8)
+    return table_off, stats_off, aligned(stats_off + rows * SLOTS_PER_ROW * SLOT_WORDS * 8, PAGE)  # see borrow()
+
+
+def _stamps(path: str) -> tuple[int, int, int, int]:
+    """``(job, key, n, rows)`` of the arena ``path``; zeros for a file that is not an arena of this version."""
+    words = shm.header_words(path, H_KEY + 1)
+    if words is None or words[H_MAGIC] != MAGIC or words[H_VERSION] != VERSION:
+        return (NO_JOB, 0, 0, 0)
+    return (words[H_JOB], words[H_KEY], words[H_N], words[H_ROWS])
 
 
 def _finalize(path: str, creator: int, liveness_fd: int) -> None:
@@ -123,8 +142,14 @@ class Arena:
         knob: str = "capacity_bytes",
         advice: str | None = None,
         sweep: bool = True,
+        job: int = NO_JOB,
+        key: int = 0,
     ) -> Arena:
         """Create an arena for ``n`` indices and ``capacity`` bytes of data; it is deleted when this process exits.
+
+        In a restarted worker group, adopt the arena of the attempt before instead, when it is stamped with this
+        ``job`` and ``key`` (see :mod:`~ignite_ext.data.cache.restart`): then its samples are served at once, and
+        its capacity is the one it was created with.
 
         Args:
             n: number of dataset indices.
@@ -136,7 +161,10 @@ class Arena:
             knob: the user's name of ``capacity``, for the errors.
             advice: how to make room in ``directory``, for the errors; by default, how to enlarge a tmpfs.
             sweep: whether to sweep this user's stale arenas in ``directory`` first (not where liveness cannot be
-                judged from this host: a filesystem that other hosts mount).
+                judged from this host: a filesystem that other hosts mount), and adopt one (neither is done there).
+            job: the job to stamp the arena with (:func:`~ignite_ext.data.cache.restart.job_key`); :data:`NO_JOB`
+                adopts nothing, and the arena is never adopted.
+            key: the cache to stamp it with (:func:`~ignite_ext.data.cache.restart.cache_key`).
 
         Raises:
             ShmSpaceError: the tmpfs lacks room for the table plus ``capacity`` (or plus :data:`~.shm.MIN_CAPACITY`
@@ -152,11 +180,11 @@ class Arena:
         if advice is None:
             advice = f"enlarge {directory} (e.g. docker run --shm-size=8g)"
         with shm.directory_lock(directory):  # concurrent creators must see each other's claims
+            if sweep and job != NO_JOB and (adopted := cls._adopt(directory, n, rows, job, key)) is not None:
+                return adopted
             if sweep:
-                shm.sweep_stale(directory)
-            table_off = HEADER_BYTES
-            stats_off = aligned(table_off + n * ENTRY_WORDS * 8)
-            data_off = aligned(stats_off + rows * SLOTS_PER_ROW * SLOT_WORDS * 8, PAGE)  # see borrow()
+                shm.sweep_stale(directory, keep=lambda path: _stamps(path)[0] == job != NO_JOB)
+            table_off, stats_off, data_off = _layout(n, rows)
             free = shm.available_bytes(directory)
             if capacity is None:
                 # Arenas fill lazily: what live caches may still claim is not free for a new default.
@@ -193,6 +221,8 @@ class Arena:
                     (H_STATS, stats_off),
                     (H_DATA, data_off),
                     (H_ROWS, rows),
+                    (H_JOB, job),
+                    (H_KEY, key),
                     (H_VERSION, VERSION),
                     (H_MAGIC, MAGIC),  # last: an attacher checks it
                 ):
@@ -205,6 +235,84 @@ class Arena:
                 self._finalizer()
                 raise
         return self
+
+    @classmethod
+    def _adopt(cls, directory: str, n: int, rows: int, job: int, key: int) -> Arena | None:
+        """The stale arena of ``directory`` stamped ``job`` and ``key``, made this process's own, or None.
+
+        None also when the arena found fails :meth:`consistent` (then it is deleted). Called under the user's
+        creation lock of ``directory``, which every sweep holds too. The creator must be gone; the processes it
+        forked may not be yet (DataLoader workers notice their parent's death within seconds): they only ever
+        publish complete samples of the same dataset, as before.
+        """
+        for old in shm.orphaned_arenas(directory):
+            if _stamps(old) != (job, key, n, rows):
+                continue
+            stem = shm.arena_stem(directory)
+            path = stem + ".arena"
+            try:
+                os.rename(old, path)  # first: under this process's pid, no sweep takes it for stale
+            except OSError:
+                continue
+            old_lock = old[: -len(".arena")] + ".lock"
+            try:
+                os.rename(old_lock, stem + ".lock")
+            except OSError:
+                os.close(os.open(stem + ".lock", os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW, 0o600))
+            liveness_fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            fcntl.flock(liveness_fd, fcntl.LOCK_SH)
+            self = cls(path)
+            self._finalizer = weakref.finalize(self, _finalize, path, os.getpid(), liveness_fd)
+            try:
+                local = self._mapped()
+                problem = self.consistent()
+            except (OSError, RuntimeError, ValueError) as exc:
+                local, problem = None, f"it cannot be mapped ({exc})"
+            if problem is not None:
+                warnings.warn(
+                    f"the cache left by the attempt before in {directory} was not adopted: {problem}; it starts empty",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+                self.close()
+                return None
+            assert local is not None
+            for row in range(rows):  # a new attempt: its hits and misses start at zero, what is stored stays
+                for slot in range(SLOTS_PER_ROW):
+                    base = (row * SLOTS_PER_ROW + slot) * SLOT_WORDS
+                    for word in (OWNER, HITS, MISSES):
+                        local.stats[base + word] = 0
+            return self
+        return None
+
+    def consistent(self) -> str | None:
+        """What is wrong with this arena's layout or index, or None: every published entry lies in the used area.
+
+        A writer killed before publishing leaves its entry empty (nothing to check); an entry whose words were
+        changed by anything else (a bug, a stray write) is found here before any sample of it is served.
+        """
+        import numpy as np
+
+        local = self._mapped()
+        header = local.header
+        n, rows = int(header[H_N]), int(header[H_ROWS])
+        expected = _layout(n, rows)
+        layout = (int(header[H_TABLE]), int(header[H_STATS]), int(header[H_DATA]))
+        if layout != expected:
+            return f"its header places the index, counters and data at {layout}, not {expected}"
+        data_off = expected[2]
+        capacity, used = int(header[H_CAPACITY]), int(header[H_USED])
+        size = os.fstat(local.arena_fd).st_size
+        if size != data_off + capacity or used > capacity:
+            return f"{size} bytes for a data area of {capacity} with {used} used"
+        table = np.frombuffer(local.table, dtype=np.uint64).reshape(n, ENTRY_WORDS)
+        states = table[:, 0]
+        if np.any((states != EMPTY) & (states != READY)):
+            return "an entry is neither empty nor published"
+        ready = table[states == READY]
+        if np.any(ready[:, 1] > used) or np.any(ready[:, 2] > used - ready[:, 1]):
+            return "a published entry lies outside the used part of the data area"
+        return None
 
     @classmethod
     def attach(cls, path: str) -> Arena:

@@ -23,7 +23,7 @@ from torch.utils.data import Dataset, get_worker_info
 
 from ignite_ext.data.cache._world import ignite_world
 from ignite_ext.data.cache.codec import decode, encode
-from ignite_ext.data.cache.identity import checked_name
+from ignite_ext.data.cache.identity import checked_name, construction_site
 from ignite_ext.data.cache.stats import CacheStats
 from ignite_ext.data.cache.tiers import create_tiers, disk_option, node_tiers
 from ignite_ext.data.cache.transforms import FrozenTransformWarning, warn_if_frozen
@@ -177,11 +177,17 @@ class CachedDataset(Dataset[Any]):
             self._tiers, self.name, disk = node_tiers(dataset, self._len, capacity_bytes, disk_dir, disk_bytes, name)
             self._row = idist.get_local_rank()
         else:
+            site = construction_site()
             self.name = checked_name(dataset, name)
             disk = disk_option(disk_dir, disk_bytes)
             # Every rank of the node creates one at the same time: they split the default capacities evenly.
-            peers = idist.get_nproc_per_node() if idist is not None and idist.get_world_size() > 1 else 1
-            self._tiers, self._row = create_tiers(self._len, capacity_bytes, disk, share=peers), 0
+            peers, local_rank = 1, int(os.environ.get("LOCAL_RANK", "0"))
+            if idist is not None and idist.get_world_size() > 1:
+                peers, local_rank = idist.get_nproc_per_node(), idist.get_local_rank()
+            # A restarted rank adopts the cache its predecessor of the same local rank left (see .restart).
+            identity = ("rank", self.name, "" if name is not None else site, local_rank)
+            self._tiers = create_tiers(self._len, capacity_bytes, disk, share=peers, identity=identity)
+            self._row = 0
         self.disk_dir = disk.directory if disk is not None else None
         self._slot: tuple[int, int] | None = None
 

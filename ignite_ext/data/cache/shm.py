@@ -26,7 +26,7 @@ import os
 import re
 import secrets
 import stat
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from ignite_ext._fs import pid_alive
 from ignite_ext.errors import ShmSpaceError
@@ -40,9 +40,12 @@ __all__ = [
     "arena_stem",
     "available_bytes",
     "directory_lock",
+    "header_words",
     "mapped_pss",
+    "orphaned_arenas",
     "promised_bytes",
     "remove_files",
+    "stale_arenas",
     "sweep_stale",
 ]
 
@@ -142,12 +145,73 @@ def promised_bytes(directory: str = SHM_DIR) -> int:
     )
 
 
-def sweep_stale(directory: str = SHM_DIR) -> list[str]:
+def orphaned_arenas(directory: str = SHM_DIR) -> list[str]:
+    """This user's arenas in ``directory`` whose creating process does not run (in this pid namespace).
+
+    Processes it forked (DataLoader workers, which end within seconds of their parent) may still map them.
+
+    Examples:
+        >>> from ignite_ext.data.cache.shm import orphaned_arenas
+        >>> isinstance(orphaned_arenas(), list)
+        True
+
+    .. versionadded:: 0.3.0
+    """
+    me = os.getpid()
+    return [
+        os.path.join(directory, name)
+        for name, match, _ in _own_files(directory)
+        if match["kind"] == "arena" and int(match["pid"]) != me and not pid_alive(int(match["pid"]))
+    ]
+
+
+def stale_arenas(directory: str = SHM_DIR) -> list[str]:
+    """The :func:`orphaned_arenas` whose liveness lock nobody holds: no process uses them any more.
+
+    Examples:
+        >>> from ignite_ext.data.cache.shm import stale_arenas
+        >>> isinstance(stale_arenas(), list)
+        True
+
+    .. versionadded:: 0.3.0
+    """
+    return [path for path in orphaned_arenas(directory) if _unused(path)]
+
+
+def header_words(path: str, count: int) -> tuple[int, ...] | None:
+    """The first ``count`` 8-byte words of this user's file ``path`` (never through a link); None if unreadable.
+
+    Examples:
+        >>> import tempfile
+        >>> from ignite_ext.data.cache.shm import header_words
+        >>> with tempfile.NamedTemporaryFile() as f:
+        ...     _ = f.write((7).to_bytes(8, "little") + (9).to_bytes(8, "little"))
+        ...     f.flush()
+        ...     header_words(f.name, 2), header_words(f.name, 3)
+        ((7, 9), None)
+
+    .. versionadded:: 0.3.0
+    """
+    fd = _open_own(path, os.O_RDONLY)
+    if fd is None:
+        return None
+    try:
+        raw = os.pread(fd, 8 * count, 0)
+    finally:
+        os.close(fd)
+    if len(raw) < 8 * count:
+        return None
+    return tuple(int.from_bytes(raw[8 * i : 8 * i + 8], "little") for i in range(count))
+
+
+def sweep_stale(directory: str = SHM_DIR, keep: Callable[[str], bool] | None = None) -> list[str]:
     """Delete this user's arenas (and lock files) of caches whose creating process is gone; return the removed paths.
 
     An arena is only removed when both its creator pid is dead and nobody holds its liveness lock, so an arena
     of a live process (also one in another pid namespace sharing this tmpfs) is never touched. Only the caller's
-    own files are considered (see the module docstring); one that cannot be opened or deleted is skipped.
+    own files are considered (see the module docstring); one that cannot be opened or deleted is skipped. An arena
+    for which ``keep(path)`` is true is left too (the job's own, for its successor: see
+    :mod:`~ignite_ext.data.cache.restart`).
 
     Examples:
         >>> from ignite_ext.data.cache.shm import sweep_stale
@@ -155,18 +219,19 @@ def sweep_stale(directory: str = SHM_DIR) -> list[str]:
         True
 
     .. versionadded:: 0.1.0
+    .. versionchanged:: 0.3.0
+       ``keep``.
     """
     removed: list[str] = []
+    for path in stale_arenas(directory):
+        if keep is None or not keep(path):
+            removed += remove_files([path, path[: -len(".arena")] + ".lock"])
     me = os.getpid()
     for name, match, _ in _own_files(directory):
-        pid = int(match["pid"])
-        if pid == me or pid_alive(pid):
-            continue
         path = os.path.join(directory, name)
-        if match["kind"] == "arena":
-            if _unused(path):
-                removed += remove_files([path, path[: -len(".arena")] + ".lock"])
-        elif not os.path.lexists(path[: -len(".lock")] + ".arena"):
+        pid = int(match["pid"])
+        orphan = match["kind"] == "lock" and not os.path.lexists(path[: -len(".lock")] + ".arena")
+        if orphan and pid != me and not pid_alive(pid):
             removed += remove_files([path])
     return removed
 

@@ -36,6 +36,7 @@ from ignite_ext.data.cache.arena import Arena
 from ignite_ext.data.cache.codec import Encoded
 from ignite_ext.data.cache.disk import NetworkFilesystemWarning, check_disk_dir, network_filesystem
 from ignite_ext.data.cache.identity import checked_name, construction_site, fingerprint_indices, sample_fingerprint
+from ignite_ext.data.cache.restart import NO_JOB, cache_key, job_key
 
 __all__ = ["DiskOption", "Tiers", "create_tiers", "disk_option", "node_tiers"]
 
@@ -169,19 +170,33 @@ class Tiers:
             arena.close()
 
 
-def create_tiers(n: int, capacity: int | None, disk: DiskOption | None, rows: int = 1, share: int = 1) -> Tiers:
+def create_tiers(
+    n: int,
+    capacity: int | None,
+    disk: DiskOption | None,
+    rows: int = 1,
+    share: int = 1,
+    identity: tuple[object, ...] | None = None,
+) -> Tiers:
     """Create the RAM arena and, with ``disk``, the disk arena of a cache of ``n`` samples, owned by this process.
 
     ``rows`` and ``share`` are those of :meth:`Arena.create <ignite_ext.data.cache.arena.Arena.create>`. A disk
     directory on a network filesystem gets a :class:`~ignite_ext.data.cache.disk.NetworkFilesystemWarning` and
-    is not swept.
+    is not swept. With ``identity`` (what tells this cache from the job's others), each tier adopts the arena
+    the attempt before of a restarted worker group left of the same cache, if any
+    (:mod:`~ignite_ext.data.cache.restart`).
+
+    .. versionchanged:: 0.3.0
+       ``identity``.
 
     Raises:
         ShmSpaceError: a tier does not fit its directory (then neither file is left).
 
     .. versionadded:: 0.2.0
     """
-    ram = Arena.create(n, capacity, rows=rows, share=share)
+    job = job_key() if identity is not None else NO_JOB
+    stamp = identity or ()
+    ram = Arena.create(n, capacity, rows=rows, share=share, job=job, key=cache_key(*stamp, "ram"))
     if disk is None:
         return Tiers([ram])
     try:
@@ -203,6 +218,8 @@ def create_tiers(n: int, capacity: int | None, disk: DiskOption | None, rows: in
             knob="disk_bytes",
             advice=f"free space in {disk.directory}",
             sweep=network is None,
+            job=job,
+            key=cache_key(*stamp, "disk", disk.directory),
         )
     except BaseException:
         ram.close()
@@ -268,7 +285,8 @@ def node_tiers(
         # Inside the agreed step: a sample that fails to load fails the construction on every rank.
         samples = sample_fingerprint(dataset) if idist.get_nproc_per_node() > 1 else ""
         if local_rank == 0:
-            created.append(create_tiers(n, capacity, disk[0], rows=idist.get_nproc_per_node()))
+            identity = ("node", mine, "" if name is not None else site, samples)
+            created.append(create_tiers(n, capacity, disk[0], rows=idist.get_nproc_per_node(), identity=identity))
         paths = tuple(a.path for a in created[0].arenas) if created else ()
         directory = disk[0].directory if disk[0] is not None else None
         return _Setup(node, local_rank, n, mine, name is not None, site, samples, directory, paths)

@@ -1,0 +1,250 @@
+"""Warm restarts within a job: a restarted worker group adopts the caches its attempt before left on the node.
+
+The tests play torchrun's agent (torchrun's own restart of a gloo group does not re-form on this machine with torch
+2.13, CPU: the restarted ranks hang or fail in gloo's ``connectFullMesh``). Like the agent, each attempt starts new
+processes with the job's ``TORCHELASTIC_RUN_ID`` and the next ``TORCHELASTIC_RESTART_COUNT``, all children of the
+same process (here the test's forkserver, or the test itself), and when a rank dies the agent SIGKILLs the rest of
+the group before it restarts it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import ignite.distributed as idist
+import pytest
+from torch.utils.data import DataLoader
+
+from ignite_ext.data import CachedDataset, ShardedDistributedSampler
+from ignite_ext.data.cache import shm
+from ignite_ext.data.cache._mapping import ENTRY_WORDS, HEADER_BYTES
+from ignite_ext.data.cache.arena import Arena, _stamps
+from ignite_ext.data.cache.restart import NO_JOB, job_key
+from tests._world import World
+from tests.data.test_cache import ROOT, CountingDataset, epoch, fingerprint_loads
+from tests.data.test_cache_disk import DISK_CAP, IN_RAM, RAM_CAP, N, _arenas
+from tests.data.test_cache_users import STEP_TIMEOUT_S, _first_line
+
+pytestmark = pytest.mark.distributed
+
+
+def _agent(procs: list[Any]) -> None:
+    """As torchrun's agent: once a rank has died, SIGKILL the others (a thread of the test, until all have ended)."""
+
+    def watch() -> None:
+        while any(p.exitcode is None for p in procs):
+            if any(p.exitcode not in (None, 0) for p in procs):
+                for p in procs:
+                    if p.exitcode is None:
+                        os.kill(p.pid, signal.SIGKILL)
+                return
+            time.sleep(0.02)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _attempt(base: CountingDataset, disk_dir: str, die_after: int | None) -> dict[str, Any]:
+    """One attempt of the job: a node cache, one epoch read by both ranks; with ``die_after``, rank 1 is SIGKILLed
+    after that many batches of a second epoch (its node's cache full from the first one)."""
+    mp.current_process().daemon = False  # DataLoader workers are children of the (daemonic) rank
+    ds = CachedDataset(base, scope="node", capacity_bytes=RAM_CAP, disk_dir=disk_dir, disk_bytes=DISK_CAP)
+    sampler = ShardedDistributedSampler(ds, shard_by="node")
+    dl = DataLoader(ds, batch_size=4, sampler=sampler, num_workers=2, multiprocessing_context="fork")
+    idist.barrier()
+    loads, start = sum(base.loads()), ds.stats(reduce="node")
+    sampler.set_epoch(0)
+    seen = sorted(epoch(dl))
+    idist.barrier()  # every load of the node is published
+    out = {
+        "first": ds.stats(reduce="node") - start,
+        "loads": sum(base.loads()) - loads,  # by both ranks and their workers in the first epoch
+        "seen": seen,
+        "segments": (ds.segment, ds.disk_segment),
+        "entries": ds.stats(reduce="node").entries,
+    }
+    if die_after is not None:
+        sampler.set_epoch(1)
+        for i, _ in enumerate(dl):
+            if idist.get_rank() == 1 and i == die_after:
+                os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)  # rank 0: the agent ends it once rank 1 is dead
+    idist.barrier()
+    ds.close()
+    return out
+
+
+def test_a_restarted_worker_group_reads_nothing_from_storage_in_its_first_epoch(world: World, tmp_path: Path) -> None:
+    base = CountingDataset(N, size=1024, context="forkserver")
+    job = {"TORCHELASTIC_RUN_ID": f"restart-{uuid.uuid4().hex}"}
+    first = world.results(
+        _attempt,
+        base,
+        str(tmp_path),
+        2,
+        nprocs=2,
+        nproc_per_node=2,
+        env={**job, "TORCHELASTIC_RESTART_COUNT": "0"},
+        on_start=_agent,
+        deadline=120,
+    )
+    assert first[1].killed and not first[0].ok, [str(r) for r in first]
+    left = _arenas(tmp_path)
+    assert len(left) == 2  # the disk tier and its lock file: SIGKILL ran no cleanup
+    loads_before = base.loads()
+    assert loads_before == [1 + extra for extra in fingerprint_loads(N, 2)]  # once per node, and the fingerprints
+
+    second = world(
+        _attempt,
+        base,
+        str(tmp_path),
+        None,
+        nprocs=2,
+        nproc_per_node=2,
+        env={**job, "TORCHELASTIC_RESTART_COUNT": "1"},
+        deadline=120,
+    )
+    for r in second:
+        assert r["loads"] == 0, r  # the first epoch after the restart: nothing from storage, on either rank
+        assert (r["first"].misses, r["first"].hits) == (0, N), r["first"]
+        assert (r["first"].ram_hits, r["first"].disk_hits) == (IN_RAM, N - IN_RAM)
+        assert r["entries"] == N  # what the attempt before stored is counted as held
+        assert sorted(r["seen"]) == r["seen"]
+    assert sorted(second[0]["seen"] + second[1]["seen"]) == list(range(N))
+    ram_path, disk_path = second[0]["segments"]
+    assert os.path.dirname(disk_path) == str(tmp_path.resolve())
+    assert all(left_name not in disk_path for left_name in left)  # adopted: renamed for its new creator
+    # Construction reads the fingerprint samples again (outside the cache), nothing else.
+    assert base.loads() == [a + b for a, b in zip(loads_before, fingerprint_loads(N, 2), strict=True)]
+    assert _arenas(tmp_path) == [] and not os.path.exists(ram_path)  # the restarted job ended normally: gone
+
+
+# One attempt of a one-rank job (rank scope): samples 0-2 stored (0 and 1 in RAM, 2 on disk), then, with "die",
+# SIGKILLed by itself while storing sample 3 on disk: after writing its bytes, before publishing them. Prints what
+# it loaded (and, dying, its RAM tier's file; living, its stats: hits, misses, entries, disk entries).
+ATTEMPT = """
+import os, signal, sys
+from ignite_ext.data import CachedDataset
+
+loaded = []
+
+class Source:
+    def __len__(self):
+        return 8
+    def __getitem__(self, i):
+        loaded.append(i)
+        return bytes([65 + i]) * 5000
+
+class Dies(CachedDataset):
+    def _before_publish(self, index):
+        if index == 3 and sys.argv[2] == "die":
+            print("loaded", loaded, self.segment, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+ds = Dies(Source(), capacity_bytes=12000, disk_dir=sys.argv[1], disk_bytes=1 << 20)
+got = [ds[i] for i in range(4)]
+assert got == [bytes([65 + i]) * 5000 for i in range(4)]
+st = ds.stats()
+print("loaded", loaded, st.hits, st.misses, st.entries, st.disk_entries, flush=True)
+"""
+
+
+def _run_attempt(disk_dir: Path, env: dict[str, str], die: bool) -> tuple[int, str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(ATTEMPT), str(disk_dir), "die" if die else "live"],
+        cwd=ROOT,
+        env={**os.environ, **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = _first_line(proc, STEP_TIMEOUT_S)
+        proc.wait(timeout=STEP_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        _, err = proc.communicate(timeout=30)
+    assert line.startswith("loaded"), err
+    return proc.returncode, line
+
+
+def test_an_entry_written_at_the_crash_is_never_served_after_the_restart(tmp_path: Path) -> None:
+    job = {"TORCHELASTIC_RUN_ID": f"restart-{uuid.uuid4().hex}", "TORCHELASTIC_RESTART_COUNT": "0"}
+    code, line = _run_attempt(tmp_path, job, die=True)
+    assert code == -signal.SIGKILL and line.startswith("loaded [0, 1, 2, 3] "), line
+    ram = line.split()[-1]
+    assert ram in shm.orphaned_arenas()  # left by the SIGKILL
+    code, line = _run_attempt(tmp_path, {**job, "TORCHELASTIC_RESTART_COUNT": "1"}, die=False)
+    # Samples 0-2 from the attempt before (both tiers), sample 3 (written, not published) loaded again.
+    assert code == 0 and line == "loaded [3] 3 1 4 2", line
+    assert not os.path.exists(ram)  # adopted (renamed), then deleted at the normal end
+    assert _arenas(tmp_path) == []
+
+
+def test_another_job_adopts_nothing_and_sweeps_what_a_dead_job_left(tmp_path: Path) -> None:
+    job = {"TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_RESTART_COUNT": "0"}  # torchrun's default run id
+    code, _ = _run_attempt(tmp_path, job, die=True)
+    assert code == -signal.SIGKILL
+    left = _arenas(tmp_path)
+    assert len(left) == 2
+    # The same run id from another agent (a process of its own between the test and the job): another job.
+    agent = [sys.executable, "-c", "import subprocess, sys; sys.exit(subprocess.call(sys.argv[1:]))"]
+    proc = subprocess.run(
+        [*agent, sys.executable, "-c", textwrap.dedent(ATTEMPT), str(tmp_path), "live"],
+        cwd=ROOT,
+        env={**os.environ, **job},
+        capture_output=True,
+        text=True,
+        timeout=STEP_TIMEOUT_S,
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "loaded [0, 1, 2, 3] 0 4 4 2", proc.stderr
+    assert _arenas(tmp_path) == []  # the dead job's files swept, the new job's deleted at its end
+
+
+def test_no_job_outside_an_elastic_worker_and_arenas_are_stamped_with_theirs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert job_key() == NO_JOB
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "r1")
+    mine = job_key()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "r2")
+    assert mine != NO_JOB and job_key() not in (mine, NO_JOB)
+    arena = Arena.create(4, 1 << 20, directory=str(tmp_path), job=mine, key=7)
+    assert _stamps(arena.path) == (mine, 7, 4, 1)
+    assert arena.consistent() is None
+    arena.close()
+
+
+def test_an_arena_that_fails_its_check_is_not_adopted(tmp_path: Path) -> None:
+    job = {"TORCHELASTIC_RUN_ID": f"restart-{uuid.uuid4().hex}", "TORCHELASTIC_RESTART_COUNT": "0"}
+    code, _ = _run_attempt(tmp_path, job, die=True)
+    assert code == -signal.SIGKILL
+    (disk_arena,) = [tmp_path / name for name in _arenas(tmp_path) if name.endswith(".arena")]
+    # Entry 2 (on disk) now claims bytes past what was ever used: a stray write, a bug, a forger of this user.
+    raw = bytearray(disk_arena.read_bytes())
+    length = HEADER_BYTES + 2 * ENTRY_WORDS * 8 + 16  # the third word of entry 2
+    raw[length : length + 8] = (1 << 40).to_bytes(8, "little")
+    disk_arena.write_bytes(raw)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(ATTEMPT), str(tmp_path), "live"],
+        cwd=ROOT,
+        env={**os.environ, **job, "TORCHELASTIC_RESTART_COUNT": "1"},
+        capture_output=True,
+        text=True,
+        timeout=STEP_TIMEOUT_S,
+    )
+    # The RAM tier (samples 0 and 1) is adopted; the disk tier is rebuilt: samples 2 and 3 are loaded again.
+    assert proc.returncode == 0 and proc.stdout.strip() == "loaded [2, 3] 2 2 4 2", (proc.stdout, proc.stderr)
+    assert "was not adopted: a published entry lies outside the used part of the data area" in proc.stderr
+    assert _arenas(tmp_path) == []
