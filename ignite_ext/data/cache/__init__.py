@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from ignite_ext.data.cache.dataset import CachedDataset
 from ignite_ext.data.cache.disk import NetworkFilesystemWarning
+from ignite_ext.data.cache.persist import StaleCacheWarning
 from ignite_ext.data.cache.stats import CacheStats
 from ignite_ext.data.cache.transforms import FrozenTransformWarning
 from ignite_ext.errors import ShmSpaceError
@@ -45,6 +46,7 @@ __all__ = [
     "FrozenTransformWarning",
     "NetworkFilesystemWarning",
     "ShmSpaceError",
+    "StaleCacheWarning",
 ]
 
 

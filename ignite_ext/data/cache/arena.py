@@ -32,9 +32,10 @@ import os
 import warnings
 import weakref
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
-from ignite_ext._fs import pid_alive
+from ignite_ext._fs import own_regular_file, pid_alive
 from ignite_ext.data.cache import shm
 from ignite_ext.data.cache._cow import PAGE, CowMap
 from ignite_ext.data.cache._mapping import (
@@ -76,12 +77,26 @@ from ignite_ext.data.cache.restart import NO_JOB
 from ignite_ext.data.cache.shm import MIN_CAPACITY, SHM_DIR, remove_files
 from ignite_ext.errors import ShmSpaceError
 
+#: The job stamp of a persisted cache (see .persist): no job's, since job stamps are digests.
+PERSISTED = 1
+#: Counter rows of a persisted cache at least: a later job may run more ranks per node than the first.
+PERSIST_ROWS = 64
+
 
 def _layout(n: int, rows: int) -> tuple[int, int, int]:
     """Where the index table, the counters and the data area start in an arena of ``n`` indices and ``rows`` rows."""
     table_off = HEADER_BYTES
     stats_off = aligned(table_off + n * ENTRY_WORDS * 8)
     return table_off, stats_off, aligned(stats_off + rows * SLOTS_PER_ROW * SLOT_WORDS * 8, PAGE)  # see borrow()
+
+
+def _restart_counters(local: Local, rows: int) -> None:
+    """A new job or attempt: every counter slot free, hits and misses at zero; entries and bytes stay."""
+    for row in range(rows):
+        for slot in range(SLOTS_PER_ROW):
+            base = (row * SLOTS_PER_ROW + slot) * SLOT_WORDS
+            for word in (OWNER, HITS, MISSES):
+                local.stats[base + word] = 0
 
 
 def _stamps(path: str) -> tuple[int, int, int, int]:
@@ -92,11 +107,12 @@ def _stamps(path: str) -> tuple[int, int, int, int]:
     return (words[H_JOB], words[H_KEY], words[H_N], words[H_ROWS])
 
 
-def _finalize(path: str, creator: int, liveness_fd: int) -> None:
+def _finalize(path: str, creator: int, liveness_fd: int, keep: bool) -> None:
     # Forked children inherit the finalizer registry: only the creating process may delete the files.
     if os.getpid() != creator:
         return
-    remove_files([path, path[: -len(".arena")] + ".lock"])
+    if not keep:  # a persisted cache outlives its job (see .persist)
+        remove_files([path, path[: -len(".arena")] + ".lock"])
     with contextlib.suppress(OSError):
         os.close(liveness_fd)
 
@@ -184,56 +200,152 @@ class Arena:
                 return adopted
             if sweep:
                 shm.sweep_stale(directory, keep=lambda path: _stamps(path)[0] == job != NO_JOB)
-            table_off, stats_off, data_off = _layout(n, rows)
-            free = shm.available_bytes(directory)
-            if capacity is None:
-                # Arenas fill lazily: what live caches may still claim is not free for a new default.
-                unclaimed = max(0, free - shm.promised_bytes(directory))
-                capacity = int((unclaimed - data_off) * shm.DEFAULT_FRACTION / max(1, share)) // ALIGN * ALIGN
-                if capacity < MIN_CAPACITY:
-                    raise ShmSpaceError(
-                        f"{directory} has {free} bytes free, {unclaimed} of them not promised to this user's other "
-                        f"caches; a cache of {n} samples needs {data_off} bytes for its index plus at least "
-                        f"{MIN_CAPACITY} for data: {advice}, or pass {knob}"
-                    )
-            elif data_off + capacity > free:
+            return cls._create_locked(n, capacity, rows, directory, share, knob, advice, job, key)
+
+    @classmethod
+    def _create_locked(
+        cls,
+        n: int,
+        capacity: int | None,
+        rows: int,
+        directory: str,
+        share: int,
+        knob: str,
+        advice: str,
+        job: int,
+        key: int,
+        stem: str | None = None,
+    ) -> Arena:
+        """:meth:`create`'s work once the directory's creation lock is held; at ``stem`` (kept at exit) if given."""
+        table_off, stats_off, data_off = _layout(n, rows)
+        free = shm.available_bytes(directory)
+        if capacity is None:
+            # Arenas fill lazily: what live caches may still claim is not free for a new default.
+            unclaimed = max(0, free - shm.promised_bytes(directory))
+            capacity = int((unclaimed - data_off) * shm.DEFAULT_FRACTION / max(1, share)) // ALIGN * ALIGN
+            if capacity < MIN_CAPACITY:
                 raise ShmSpaceError(
-                    f"{knob}={capacity} plus {data_off} bytes of index exceed the {free} bytes free in "
-                    f"{directory}; lower {knob} or {advice}"
+                    f"{directory} has {free} bytes free, {unclaimed} of them not promised to this user's other "
+                    f"caches; a cache of {n} samples needs {data_off} bytes for its index plus at least "
+                    f"{MIN_CAPACITY} for data: {advice}, or pass {knob}"
                 )
-            stem = shm.arena_stem(directory)
-            path = stem + ".arena"
-            os.close(os.open(stem + ".lock", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
-            arena_fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            liveness_fd = os.open(path, os.O_RDONLY)
-            fcntl.flock(liveness_fd, fcntl.LOCK_SH)
-            self = cls(path)
-            self._finalizer = weakref.finalize(self, _finalize, path, os.getpid(), liveness_fd)
-            try:
-                os.ftruncate(arena_fd, data_off + capacity)  # sparse: data pages are allocated as samples arrive
-                os.posix_fallocate(arena_fd, 0, data_off)
-                mm = mmap.mmap(arena_fd, 0, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-                header = memoryview(mm)[:HEADER_BYTES].cast("Q")
-                for word, value in (
-                    (H_N, n),
-                    (H_CAPACITY, capacity),
-                    (H_TABLE, table_off),
-                    (H_STATS, stats_off),
-                    (H_DATA, data_off),
-                    (H_ROWS, rows),
-                    (H_JOB, job),
-                    (H_KEY, key),
-                    (H_VERSION, VERSION),
-                    (H_MAGIC, MAGIC),  # last: an attacher checks it
-                ):
-                    header[word] = value
-                header.release()
-                self._local = open_local(path, arena_fd=arena_fd, mm=mm)
-            except BaseException:
-                if self._local is None:
-                    os.close(arena_fd)
-                self._finalizer()
-                raise
+        elif data_off + capacity > free:
+            raise ShmSpaceError(
+                f"{knob}={capacity} plus {data_off} bytes of index exceed the {free} bytes free in "
+                f"{directory}; lower {knob} or {advice}"
+            )
+        keep = stem is not None
+        stem = stem if stem is not None else shm.arena_stem(directory)
+        path = stem + ".arena"
+        os.close(os.open(stem + ".lock", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
+        arena_fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        self = cls._held(path, keep)
+        try:
+            os.ftruncate(arena_fd, data_off + capacity)  # sparse: data pages are allocated as samples arrive
+            os.posix_fallocate(arena_fd, 0, data_off)
+            mm = mmap.mmap(arena_fd, 0, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            header = memoryview(mm)[:HEADER_BYTES].cast("Q")
+            for word, value in (
+                (H_N, n),
+                (H_CAPACITY, capacity),
+                (H_TABLE, table_off),
+                (H_STATS, stats_off),
+                (H_DATA, data_off),
+                (H_ROWS, rows),
+                (H_JOB, job),
+                (H_KEY, key),
+                (H_VERSION, VERSION),
+                (H_MAGIC, MAGIC),  # last: an attacher checks it
+            ):
+                header[word] = value
+            header.release()
+            self._local = open_local(path, arena_fd=arena_fd, mm=mm)
+        except BaseException:
+            if self._local is None:
+                os.close(arena_fd)
+            self.close()
+            remove_files([path, stem + ".lock"])  # a half-made file is of no use, kept or not
+            raise
+        return self
+
+    @classmethod
+    def open_persisted(
+        cls, directory: str, n: int, rows: int, key: int, capacity: int | None, *, knob: str = "disk_bytes"
+    ) -> tuple[Arena | None, bool]:
+        """This user's persisted arena ``key`` in ``directory`` (see :mod:`~ignite_ext.data.cache.persist`).
+
+        Opened when a sound one is there (then True: its samples serve at once), else created (False); kept when
+        this process exits. Its last use is recorded, and the user's persisted caches in the directory are then
+        brought under their cap. A file that fails its checks is deleted (with a
+        :class:`~ignite_ext.data.cache.persist.StaleCacheWarning`) and created anew. ``(None, False)`` when the name
+        is taken by a file that is not this user's (another user's, or a link): that is never opened nor deleted.
+
+        Raises:
+            ShmSpaceError: there is no room for it in ``directory``.
+
+        .. versionadded:: 0.3.0
+        """
+        from ignite_ext.data.cache import persist
+
+        stem = persist.persisted_stem(directory, key)
+        path = stem + ".arena"
+        rows = max(rows, PERSIST_ROWS)  # a later job may run more ranks per node
+        with shm.directory_lock(directory):
+            opened: Arena | None = None
+            found = [f for f in (path, stem + ".lock") if os.path.lexists(f)]
+            if any(not own_regular_file(Path(f)) for f in found):
+                return None, False  # a name another user took: never opened, never deleted
+            if found:
+                opened, problem = cls._open_persisted(path, n, rows, key)
+                if opened is None:
+                    warnings.warn(
+                        f"the persisted cache {path} was not used: {problem}; it is rebuilt",
+                        persist.StaleCacheWarning,
+                        stacklevel=4,
+                    )
+                    remove_files([path, stem + ".lock"])
+            adopted = opened is not None
+            if opened is None:
+                advice = f"free space in {directory}"
+                opened = cls._create_locked(n, capacity, rows, directory, 1, knob, advice, PERSISTED, key, stem=stem)
+            os.utime(stem + ".lock", follow_symlinks=False)  # its last use, for the eviction of the least recent
+            persist.evict(directory, keep=path, cap=persist.persist_cap(directory))
+        return opened, adopted
+
+    @classmethod
+    def _open_persisted(cls, path: str, n: int, rows: int, key: int) -> tuple[Arena | None, str]:
+        """The persisted arena ``path`` mapped and checked, or None and what is wrong with it."""
+        if not own_regular_file(Path(path[: -len(".arena")] + ".lock")):
+            return None, "its lock file is missing"
+        job, found_key, found_n, found_rows = _stamps(path)
+        if (job, found_key, found_n) != (PERSISTED, key, n) or found_rows < rows:
+            return None, f"it is not a persisted cache of {n} samples and at least {rows} ranks with this key"
+        alone = shm.unused(path)
+        self, problem = cls._held_checked(path, keep=True)
+        if problem is not None:
+            self.close()
+            return None, problem
+        if alone:  # no other job counts in it now: this job's hits and misses start at zero
+            _restart_counters(self._mapped(), found_rows)
+        return self, ""
+
+    @classmethod
+    def _held_checked(cls, path: str, keep: bool) -> tuple[Arena, str | None]:
+        """``path`` held (:meth:`_held`), mapped and checked (:meth:`consistent`): the arena, and what is wrong."""
+        self = cls._held(path, keep)
+        try:
+            self._mapped()
+            return self, self.consistent()
+        except (OSError, RuntimeError, ValueError) as exc:
+            return self, f"it cannot be mapped ({exc})"
+
+    @classmethod
+    def _held(cls, path: str, keep: bool) -> Arena:
+        """``path`` as this process's own arena: its liveness lock held, deleted at exit unless ``keep``."""
+        liveness_fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        fcntl.flock(liveness_fd, fcntl.LOCK_SH)
+        self = cls(path)
+        self._finalizer = weakref.finalize(self, _finalize, path, os.getpid(), liveness_fd, keep)
         return self
 
     @classmethod
@@ -259,15 +371,7 @@ class Arena:
                 os.rename(old_lock, stem + ".lock")
             except OSError:
                 os.close(os.open(stem + ".lock", os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW, 0o600))
-            liveness_fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-            fcntl.flock(liveness_fd, fcntl.LOCK_SH)
-            self = cls(path)
-            self._finalizer = weakref.finalize(self, _finalize, path, os.getpid(), liveness_fd)
-            try:
-                local = self._mapped()
-                problem = self.consistent()
-            except (OSError, RuntimeError, ValueError) as exc:
-                local, problem = None, f"it cannot be mapped ({exc})"
+            self, problem = cls._held_checked(path, keep=False)
             if problem is not None:
                 warnings.warn(
                     f"the cache left by the attempt before in {directory} was not adopted: {problem}; it starts empty",
@@ -276,12 +380,7 @@ class Arena:
                 )
                 self.close()
                 return None
-            assert local is not None
-            for row in range(rows):  # a new attempt: its hits and misses start at zero, what is stored stays
-                for slot in range(SLOTS_PER_ROW):
-                    base = (row * SLOTS_PER_ROW + slot) * SLOT_WORDS
-                    for word in (OWNER, HITS, MISSES):
-                        local.stats[base + word] = 0
+            _restart_counters(self._mapped(), rows)
             return self
         return None
 
@@ -473,6 +572,12 @@ class Arena:
             for k, word in enumerate((HITS, MISSES, ENTRIES, BYTES)):
                 sums[k] += words[base + word]
         return sums[0], sums[1], sums[2], sums[3]
+
+    def discard(self) -> None:
+        """:meth:`close`, and delete the files also where they would be kept (a persisted cache found stale)."""
+        path = self.path
+        self.close()
+        remove_files([path, path[: -len(".arena")] + ".lock"])
 
     def close(self) -> None:
         """Unmap in this process and, in the creating process, delete the files (mappings elsewhere stay valid)."""

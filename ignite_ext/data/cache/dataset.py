@@ -23,9 +23,9 @@ from torch.utils.data import Dataset, get_worker_info
 
 from ignite_ext.data.cache._world import ignite_world
 from ignite_ext.data.cache.codec import decode, encode
-from ignite_ext.data.cache.identity import checked_name, construction_site
+from ignite_ext.data.cache.identity import checked_name, construction_site, sample_fingerprint
 from ignite_ext.data.cache.stats import CacheStats
-from ignite_ext.data.cache.tiers import create_tiers, disk_option, node_tiers
+from ignite_ext.data.cache.tiers import checker, create_tiers, disk_option, node_tiers
 from ignite_ext.data.cache.transforms import FrozenTransformWarning, warn_if_frozen
 
 # ignite and ignite_ext.distributed are imported only where a rank's main process needs them (construction and
@@ -95,6 +95,16 @@ class CachedDataset(Dataset[Any]):
         disk_bytes: bytes of sample data the disk tier may hold. ``None``: half of the free space of
             ``disk_dir`` at construction, less what this user's live caches there may still claim (split
             between the ranks of the node like ``capacity_bytes``). With ``scope="node"``, the local rank 0's.
+        persist: keep the disk tier after the job (opt-in; needs ``disk_dir``, on the node's own disk): the next
+            job on the node whose cache has the same identity (name, length, sampled content, ``version``, and
+            for ``scope="rank"`` the local rank) serves from it at once. Every sample then goes to the disk tier
+            (read through the page cache), none to RAM, so ``capacity_bytes`` does not apply. Each job checks a
+            few samples against ``dataset`` when it opens one, and rebuilds it on a difference
+            (:class:`~ignite_ext.data.cache.persist.StaleCacheWarning`); the user's persisted caches in a
+            directory share a cap (``IGNITE_EXT_PERSIST_BYTES``, by default half of its filesystem), the least
+            recently used deleted first. See :mod:`~ignite_ext.data.cache.persist` for what the identity sees.
+        version: the user's name for the data's version (with ``persist``): a new one is a new cache. Pass one
+            when files of the dataset change in place.
 
     Attributes:
         dataset: the wrapped dataset.
@@ -105,7 +115,8 @@ class CachedDataset(Dataset[Any]):
 
     Raises:
         ValueError: ``scope`` is unknown, ``capacity_bytes`` or ``disk_bytes`` is not positive, ``name`` is not a
-            non-empty string, ``disk_bytes`` comes without ``disk_dir``, ``disk_dir`` is not an existing,
+            non-empty string, ``disk_bytes`` or ``persist`` comes without ``disk_dir``, ``capacity_bytes`` with
+            ``persist``, ``version`` without ``persist``, ``disk_dir`` is not an existing,
             writable directory, or (node scope) the ranks of a node wrap datasets of different lengths, names,
             construction sites (default name) or sampled content, or pass different ``disk_dir``. With
             ``scope="node"`` on every rank, whichever rank it concerns.
@@ -144,11 +155,24 @@ class CachedDataset(Dataset[Any]):
         [0, 1, 0, 1]
         CacheStats(hits=2, misses=2, entries=2, bytes=60, disk_hits=1, disk_entries=1, disk_bytes=30)
 
+        With ``persist=True`` the disk tier outlives the job: the next one serves from it at once:
+
+        >>> with tempfile.TemporaryDirectory() as directory:
+        ...     job = CachedDataset(["a", "b"], disk_dir=directory, persist=True)
+        ...     [job[i] for i in (0, 1)]
+        ...     job.close()
+        ...     nxt = CachedDataset(["a", "b"], disk_dir=directory, persist=True)
+        ...     [nxt[i] for i in (0, 1)], nxt.stats().hits
+        ...     nxt.close()
+        ['a', 'b']
+        (['a', 'b'], 2)
+
     .. versionadded:: 0.1.0
     .. versionchanged:: 0.2.0
        ``transform``, ``name``, ``disk_dir`` and ``disk_bytes``.
     .. versionchanged:: 0.3.0
        Node caches pair only caches constructed from the same line (default name) and of the same sampled content.
+       ``persist`` and ``version``; a worker group restarted within its job adopts the caches it left.
     """
 
     def __init__(
@@ -161,6 +185,8 @@ class CachedDataset(Dataset[Any]):
         name: str | None = None,
         disk_dir: str | os.PathLike[str] | None = None,
         disk_bytes: int | None = None,
+        persist: bool = False,
+        version: str | None = None,
     ) -> None:
         if scope not in _SCOPES:
             raise ValueError(f"scope must be one of {_SCOPES}, got {scope!r}")
@@ -173,20 +199,38 @@ class CachedDataset(Dataset[Any]):
         idist = ignite_world()  # None: alone, and ignite is not imported for nothing (see ._world)
         if idist is None or idist.get_rank() == 0:
             warn_if_frozen(dataset, stacklevel=2)
+        if persist is True and capacity_bytes is not None:
+            raise ValueError(
+                "persist=True keeps every sample in the persisted disk tier (read through the page cache), none in "
+                f"RAM: capacity_bytes={capacity_bytes} does not apply; leave it out, and size the tier with disk_bytes"
+            )
         if scope == "node" and idist is not None and idist.get_world_size() > 1:
-            self._tiers, self.name, disk = node_tiers(dataset, self._len, capacity_bytes, disk_dir, disk_bytes, name)
+            self._tiers, self.name, disk = node_tiers(
+                dataset, self._len, capacity_bytes, disk_dir, disk_bytes, name, persist, version
+            )
             self._row = idist.get_local_rank()
         else:
             site = construction_site()
             self.name = checked_name(dataset, name)
-            disk = disk_option(disk_dir, disk_bytes)
+            disk = disk_option(disk_dir, disk_bytes, persist, version)
             # Every rank of the node creates one at the same time: they split the default capacities evenly.
             peers, local_rank = 1, int(os.environ.get("LOCAL_RANK", "0"))
             if idist is not None and idist.get_world_size() > 1:
                 peers, local_rank = idist.get_nproc_per_node(), idist.get_local_rank()
             # A restarted rank adopts the cache its predecessor of the same local rank left (see .restart).
             identity = ("rank", self.name, "" if name is not None else site, local_rank)
-            self._tiers = create_tiers(self._len, capacity_bytes, disk, share=peers, identity=identity)
+            persisted: tuple[object, ...] = ()
+            if disk is not None and disk.persist:
+                persisted = ("rank", self.name, self._len, sample_fingerprint(dataset), local_rank)
+            self._tiers = create_tiers(
+                self._len,
+                capacity_bytes,
+                disk,
+                share=peers,
+                identity=identity,
+                persisted=persisted,
+                stale=checker(dataset, self._len),
+            )
             self._row = 0
         self.disk_dir = disk.directory if disk is not None else None
         self._slot: tuple[int, int] | None = None

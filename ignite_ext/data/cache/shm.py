@@ -47,6 +47,7 @@ __all__ = [
     "remove_files",
     "stale_arenas",
     "sweep_stale",
+    "unused",
 ]
 
 #: Where arenas live: a tmpfs, so their pages are RAM shared by every process that maps them.
@@ -175,7 +176,7 @@ def stale_arenas(directory: str = SHM_DIR) -> list[str]:
 
     .. versionadded:: 0.3.0
     """
-    return [path for path in orphaned_arenas(directory) if _unused(path)]
+    return [path for path in orphaned_arenas(directory) if unused(path)]
 
 
 def header_words(path: str, count: int) -> tuple[int, ...] | None:
@@ -259,7 +260,16 @@ def directory_lock(directory: str) -> Iterator[None]:
         os.close(fd)
 
 
-def _unused(path: str) -> bool:
+def unused(path: str) -> bool:
+    """Whether no process holds the liveness lock (a ``flock``) of this user's arena ``path``.
+
+    Examples:
+        >>> from ignite_ext.data.cache.shm import unused
+        >>> unused("/nonexistent.arena")
+        False
+
+    .. versionadded:: 0.3.0
+    """
     fd = _open_own(path, os.O_RDONLY)
     if fd is None:
         return False

@@ -27,34 +27,49 @@ rank 0 creates both files, so a bad argument or a sample that fails to load on a
 from __future__ import annotations
 
 import os
+import random
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from ignite_ext.data.cache._mapping import ALIGN
 from ignite_ext.data.cache.arena import Arena
 from ignite_ext.data.cache.codec import Encoded
 from ignite_ext.data.cache.disk import NetworkFilesystemWarning, check_disk_dir, network_filesystem
 from ignite_ext.data.cache.identity import checked_name, construction_site, fingerprint_indices, sample_fingerprint
+from ignite_ext.data.cache.persist import StaleCacheWarning, persist_key, stale_sample
 from ignite_ext.data.cache.restart import NO_JOB, cache_key, job_key
 
-__all__ = ["DiskOption", "Tiers", "create_tiers", "disk_option", "node_tiers"]
+__all__ = ["DiskOption", "Tiers", "checker", "create_tiers", "disk_option", "node_tiers", "persisted_as"]
 
 
 @dataclass(frozen=True)
 class DiskOption:
-    """A disk tier asked for: its directory (resolved) and its capacity (``None``: the default)."""
+    """A disk tier asked for: directory (resolved), capacity (``None``: the default), persistence, data version.
+
+    ``persist``: whether it outlives the job (see :mod:`~ignite_ext.data.cache.persist`); ``version``: the user's
+    name for the data's version then.
+    """
 
     directory: str
     nbytes: int | None
+    persist: bool = False
+    version: str | None = None
 
 
-def disk_option(disk_dir: str | os.PathLike[str] | None, disk_bytes: int | None) -> DiskOption | None:
-    """The disk tier that ``disk_dir`` and ``disk_bytes`` ask for, checked; None when they ask for none.
+def disk_option(
+    disk_dir: str | os.PathLike[str] | None,
+    disk_bytes: int | None,
+    persist: bool = False,
+    version: str | None = None,
+) -> DiskOption | None:
+    """The disk tier that ``disk_dir``, ``disk_bytes``, ``persist`` and ``version`` ask for, checked; None for none.
 
     Raises:
-        ValueError: ``disk_bytes`` without ``disk_dir``, ``disk_bytes`` not a positive integer, or a bad
-            ``disk_dir`` (see :func:`~ignite_ext.data.cache.disk.check_disk_dir`).
+        ValueError: ``disk_bytes`` or ``persist`` without ``disk_dir``, ``disk_bytes`` not a positive integer,
+            ``version`` without ``persist`` or not a string, or a bad ``disk_dir`` (see
+            :func:`~ignite_ext.data.cache.disk.check_disk_dir`).
 
     Examples:
         >>> from ignite_ext.data.cache.tiers import disk_option
@@ -69,20 +84,29 @@ def disk_option(disk_dir: str | os.PathLike[str] | None, disk_bytes: int | None)
         ValueError: disk_bytes=1048576 needs a disk_dir
 
     .. versionadded:: 0.2.0
+    .. versionchanged:: 0.3.0
+       ``persist`` and ``version``.
     """
+    if not isinstance(persist, bool):
+        raise ValueError(f"persist must be True or False, got {persist!r}")
+    if version is not None and (not persist or not isinstance(version, str)):
+        raise ValueError(f"version= names the data of a persisted cache (persist=True), as a string; got {version!r}")
     if disk_dir is None:
         if disk_bytes is not None:
             raise ValueError(f"disk_bytes={disk_bytes} needs a disk_dir")
+        if persist:
+            raise ValueError("persist=True keeps the disk tier after the job: it needs a disk_dir")
         return None
     if disk_bytes is not None and (isinstance(disk_bytes, bool) or not isinstance(disk_bytes, int) or disk_bytes <= 0):
         raise ValueError(f"disk_bytes must be a positive number of bytes, got {disk_bytes!r}")
-    return DiskOption(check_disk_dir(disk_dir), disk_bytes)
+    return DiskOption(check_disk_dir(disk_dir), disk_bytes, persist, version)
 
 
 class Tiers:
     """The arenas of one cache, fastest first: RAM, then the disk tier if there is one.
 
-    It pickles as its arenas, that is as their paths (see :class:`~ignite_ext.data.cache.arena.Arena`).
+    With ``persisted``, new samples go to the disk tier only (it outlives the job, the RAM tier does not). It
+    pickles as its arenas, that is as their paths (see :class:`~ignite_ext.data.cache.arena.Arena`).
 
     Examples:
         >>> import shutil, tempfile
@@ -101,8 +125,10 @@ class Tiers:
     .. versionadded:: 0.2.0
     """
 
-    def __init__(self, arenas: Sequence[Arena]) -> None:
+    def __init__(self, arenas: Sequence[Arena], persisted: bool = False) -> None:
         self.arenas = tuple(arenas)
+        # A persisted disk tier takes every new sample: the RAM tier, which dies with the job, takes none.
+        self._stored_in = self.arenas[1:] if persisted else self.arenas
 
     @property
     def ram(self) -> Arena:
@@ -128,7 +154,7 @@ class Tiers:
         ``before_publish(index)`` runs between writing the bytes and publishing them. Not stored: no tier has room,
         or another process stored the index first (then no further tier is tried).
         """
-        for arena in self.arenas:
+        for arena in self._stored_in:
             offset = arena.reserve(index, enc.nbytes, enc.page_offset)
             if offset is None:
                 if arena.lookup(index) is not None:  # another process published it meanwhile
@@ -177,6 +203,8 @@ def create_tiers(
     rows: int = 1,
     share: int = 1,
     identity: tuple[object, ...] | None = None,
+    persisted: tuple[object, ...] = (),
+    stale: Callable[[Arena], int | None] | None = None,
 ) -> Tiers:
     """Create the RAM arena and, with ``disk``, the disk arena of a cache of ``n`` samples, owned by this process.
 
@@ -184,10 +212,13 @@ def create_tiers(
     directory on a network filesystem gets a :class:`~ignite_ext.data.cache.disk.NetworkFilesystemWarning` and
     is not swept. With ``identity`` (what tells this cache from the job's others), each tier adopts the arena
     the attempt before of a restarted worker group left of the same cache, if any
-    (:mod:`~ignite_ext.data.cache.restart`).
+    (:mod:`~ignite_ext.data.cache.restart`). With ``disk.persist``, the disk tier is the persisted cache of that
+    ``persisted`` (with the disk option's ``version``: :mod:`~ignite_ext.data.cache.persist`) and holds every sample
+    (the RAM tier none); when it was there already, ``stale(arena)`` names a sample that differs from the dataset's
+    (or None), and a stale one is rebuilt.
 
     .. versionchanged:: 0.3.0
-       ``identity``.
+       ``identity``, ``persisted`` and ``stale``.
 
     Raises:
         ShmSpaceError: a tier does not fit its directory (then neither file is left).
@@ -196,11 +227,15 @@ def create_tiers(
     """
     job = job_key() if identity is not None else NO_JOB
     stamp = identity or ()
+    if disk is not None and disk.persist:
+        capacity = ALIGN  # the smallest: every sample goes to the persisted tier
     ram = Arena.create(n, capacity, rows=rows, share=share, job=job, key=cache_key(*stamp, "ram"))
     if disk is None:
         return Tiers([ram])
     try:
         network = network_filesystem(disk.directory)
+        if disk.persist:
+            return Tiers([ram, _persisted(n, rows, disk, network, (*persisted, disk.version), stale)], persisted=True)
         if network is not None:
             warnings.warn(
                 f"disk_dir={disk.directory!r} is on a {network} filesystem, which other hosts mount: the disk tier "
@@ -227,6 +262,66 @@ def create_tiers(
     return Tiers([ram, on_disk])
 
 
+def persisted_as(option: DiskOption) -> str:
+    """How a disk option's persistence reads in a message: ``""``, ``", persisted"`` or ``", persisted as 'v2'"``.
+
+    Examples:
+        >>> from ignite_ext.data.cache.tiers import DiskOption, persisted_as
+        >>> persisted_as(DiskOption("/d", None)), persisted_as(DiskOption("/d", None, True, "v2"))
+        ('', ", persisted as 'v2'")
+
+    .. versionadded:: 0.3.0
+    """
+    if not option.persist:
+        return ""
+    return ", persisted" if option.version is None else f", persisted as {option.version!r}"
+
+
+def checker(dataset: Any, n: int) -> Callable[[Arena], int | None]:
+    """What checks a persisted cache of ``dataset`` against it when a job opens it (a few samples, drawn anew).
+
+    .. versionadded:: 0.3.0
+    """
+    return lambda arena: stale_sample(arena.lookup, dataset, n, random.randrange(1 << 30))
+
+
+def _persisted(
+    n: int,
+    rows: int,
+    disk: DiskOption,
+    network: str | None,
+    identity: tuple[object, ...],
+    stale: Callable[[Arena], int | None] | None,
+) -> Arena:
+    """The persisted disk tier of ``identity``: opened and checked against the dataset, or built anew."""
+    if network is not None:
+        raise ValueError(
+            f"persist=True needs a disk_dir on this node's own disk; {disk.directory!r} is on a {network} filesystem, "
+            "which other hosts mount (a job there could not tell whether another host's job still uses a cache)"
+        )
+    key = persist_key(*identity)
+    arena, adopted = Arena.open_persisted(disk.directory, n, rows, key, disk.nbytes)
+    if arena is None:
+        warnings.warn(
+            f"the persisted cache's name in {disk.directory} is taken by a file that is not yours: this job's disk "
+            "tier lives only as long as the job. Pass a disk_dir of your own",
+            StaleCacheWarning,
+            stacklevel=4,
+        )
+        return Arena.create(n, disk.nbytes, rows=rows, directory=disk.directory, knob="disk_bytes")
+    if adopted and stale is not None and (index := stale(arena)) is not None:
+        warnings.warn(
+            f"the persisted cache {arena.path} holds a sample {index} that differs from the dataset's now: it is "
+            "rebuilt. The cache's identity (name, length, first, middle and last samples, version=) did not change: "
+            "pass a new version= when the data changes",
+            StaleCacheWarning,
+            stacklevel=4,
+        )
+        arena.discard()
+        return _persisted(n, rows, disk, network, identity, None)  # built anew: nothing to check
+    return arena
+
+
 class _Setup(NamedTuple):
     """What one rank brings to a node cache's construction; the ranks of each node must bring the same."""
 
@@ -237,7 +332,7 @@ class _Setup(NamedTuple):
     given: bool  # name= was given: it stands for the construction site too
     site: str
     samples: str  # sample_fingerprint, or "" on a node of one rank (nothing to pair)
-    disk_dir: str | None
+    disk_dir: str | None  # with ", persisted" or ", persisted as <version>" when it outlives the job
     paths: tuple[str, ...]
 
     def identity(self) -> str:
@@ -253,6 +348,8 @@ def node_tiers(
     disk_dir: str | os.PathLike[str] | None,
     disk_bytes: int | None,
     name: str | None,
+    persist: bool = False,
+    version: str | None = None,
 ) -> tuple[Tiers, str, DiskOption | None]:
     """Create the node's tiers on its local rank 0 and attach them on the other ranks of the node (collective).
 
@@ -281,14 +378,23 @@ def node_tiers(
 
     def setup() -> _Setup:
         mine = checked_name(dataset, name)
-        disk.append(disk_option(disk_dir, disk_bytes))
+        disk.append(disk_option(disk_dir, disk_bytes, persist, version))
         # Inside the agreed step: a sample that fails to load fails the construction on every rank.
-        samples = sample_fingerprint(dataset) if idist.get_nproc_per_node() > 1 else ""
+        samples = sample_fingerprint(dataset) if idist.get_nproc_per_node() > 1 or persist else ""
         if local_rank == 0:
             identity = ("node", mine, "" if name is not None else site, samples)
-            created.append(create_tiers(n, capacity, disk[0], rows=idist.get_nproc_per_node(), identity=identity))
+            tiers = create_tiers(
+                n,
+                capacity,
+                disk[0],
+                rows=idist.get_nproc_per_node(),
+                identity=identity,
+                persisted=("node", mine, n, samples),
+                stale=checker(dataset, n),
+            )
+            created.append(tiers)
         paths = tuple(a.path for a in created[0].arenas) if created else ()
-        directory = disk[0].directory if disk[0] is not None else None
+        directory = None if disk[0] is None else disk[0].directory + persisted_as(disk[0])
         return _Setup(node, local_rank, n, mine, name is not None, site, samples, directory, paths)
 
     def differ(entries: list[_Setup]) -> str | None:
@@ -323,7 +429,8 @@ def node_tiers(
         if dirs:
             return (
                 f"ranks of one node pass different disk_dir ({'; '.join(dirs)}): a node cache has one disk tier, "
-                "shared by the node's ranks; pass the same directory (or None) on every rank of the node"
+                "shared by the node's ranks; pass the same directory (or None), persist and version on every rank "
+                "of the node"
             )
         return None
 
@@ -337,4 +444,5 @@ def node_tiers(
     if created:
         return created[0], own.name, disk[0]
     paths = next(e.paths for e in entries if e.node == node and e.local_rank == 0)
-    return Tiers([Arena.attach(path) for path in paths]), own.name, disk[0]
+    persisted = disk[0] is not None and disk[0].persist
+    return Tiers([Arena.attach(path) for path in paths], persisted), own.name, disk[0]

@@ -1,0 +1,219 @@
+"""Caches that outlive their job (``persist=True``): the disk tier kept in ``disk_dir``, keyed by what it holds.
+
+A persisted cache is a disk arena (:mod:`~ignite_ext.data.cache.arena`, the same layout and publish-when-complete
+protocol) named ``ignite_ext_<uid>_persist_<key>.arena`` (and ``.lock``, mode 0600), where ``<key>`` is a digest of
+its *identity* (:func:`persist_key`): the cache's name, its length, the fingerprint of its dataset's sampled content
+(:func:`~ignite_ext.data.cache.identity.sample_fingerprint`), the user's ``version=``, and for a rank's own cache
+(``scope="rank"``) its local rank. The next job whose cache has the same identity opens that file and serves from it;
+a cache of another identity never sees it.
+
+What the identity cannot see: a file of the dataset changed in place, if neither its first, middle and last samples
+nor the ``version=`` changed. So every time a job opens a persisted cache it checks a few samples against the
+dataset (:func:`stale_sample`: the first, middle and last, and a few published ones drawn at random): on any
+difference it warns (:class:`StaleCacheWarning`) and rebuilds the cache from nothing. Pass a new ``version=`` when
+the data changes.
+
+Lifetime. The name carries no pid, so the sweep of stale arenas never takes it; every process that uses it holds a
+shared ``flock`` on it, and the lock file's modification time records its last use. Whenever a job opens one, the
+user's persisted caches in the directory are brought under the cap (:func:`persist_cap`,
+``IGNITE_EXT_PERSIST_BYTES``): the least recently used ones that no process holds are deleted, whole, until the
+bytes they take on disk fit (never one in use, never the one being opened). Other users' files are never opened,
+counted or deleted (names with the user id, owned by the user, regular files, never through a link).
+
+.. versionadded:: 0.3.0
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import re
+import stat
+from collections.abc import Callable
+from typing import Any
+
+from ignite_ext.data.cache.identity import fingerprint_indices
+
+__all__ = [
+    "PERSIST_RE",
+    "StaleCacheWarning",
+    "checked_indices",
+    "evict",
+    "persist_cap",
+    "persist_key",
+    "persisted_stem",
+    "stale_sample",
+]
+
+#: The names of persisted caches' files: the user's id, the identity's key, the kind of file.
+PERSIST_RE = re.compile(r"^ignite_ext_(?P<uid>\d+)_persist_(?P<key>[0-9a-f]{16})\.(?P<kind>arena|lock)$")
+#: Share of the directory's filesystem that the user's persisted caches there may take by default.
+DEFAULT_CAP_FRACTION = 0.5
+#: Published samples drawn at random and checked against the dataset, besides the first, middle and last.
+CHECKED_AT_RANDOM = 2
+
+
+class StaleCacheWarning(RuntimeWarning):
+    """A persisted cache held samples that differ from its dataset's now: it is rebuilt.
+
+    .. versionadded:: 0.3.0
+    """
+
+
+def persist_key(*identity: object) -> int:
+    """The key of a persisted cache of this identity (a non-zero 63-bit digest).
+
+    Examples:
+        >>> from ignite_ext.data.cache.persist import persist_key
+        >>> persist_key("train", 100, "ab12", None) == persist_key("train", 100, "ab12", None)
+        True
+        >>> persist_key("train", 100, "ab12", None) == persist_key("train", 100, "ab12", "v2")
+        False
+
+    .. versionadded:: 0.3.0
+    """
+    from ignite_ext.data.cache.restart import cache_key
+
+    return cache_key("persist", *identity)
+
+
+def persisted_stem(directory: str, key: int) -> str:
+    """The path, without suffix, of this user's persisted cache ``key`` in ``directory``.
+
+    Examples:
+        >>> import os
+        >>> from ignite_ext.data.cache.persist import PERSIST_RE, persisted_stem
+        >>> bool(PERSIST_RE.match(os.path.basename(persisted_stem("/tmp", 7)) + ".arena"))
+        True
+
+    .. versionadded:: 0.3.0
+    """
+    return os.path.join(directory, f"ignite_ext_{os.geteuid()}_persist_{key:016x}")
+
+
+def persist_cap(directory: str) -> int:
+    """Bytes this user's persisted caches in ``directory`` may take on disk, together.
+
+    ``IGNITE_EXT_PERSIST_BYTES`` when set (a number of bytes), else half of the filesystem's size.
+
+    Examples:
+        >>> import os
+        >>> from ignite_ext.data.cache.persist import persist_cap
+        >>> os.environ["IGNITE_EXT_PERSIST_BYTES"] = "1000"
+        >>> persist_cap("/tmp")
+        1000
+        >>> del os.environ["IGNITE_EXT_PERSIST_BYTES"]
+
+    .. versionadded:: 0.3.0
+    """
+    given = os.environ.get("IGNITE_EXT_PERSIST_BYTES")
+    if given:
+        return int(given)
+    st = os.statvfs(directory)
+    return int(st.f_blocks * st.f_frsize * DEFAULT_CAP_FRACTION)
+
+
+def _own_persisted(directory: str) -> dict[str, tuple[int, float]]:
+    """This user's persisted caches in ``directory``: arena path -> (bytes on disk, last use)."""
+    uid = os.geteuid()
+    found: dict[str, tuple[int, float]] = {}
+    with contextlib.suppress(FileNotFoundError), os.scandir(directory) as entries:
+        for entry in entries:
+            match = PERSIST_RE.match(entry.name)
+            if match is None or int(match["uid"]) != uid or match["kind"] != "arena":
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+                used = os.stat(entry.path[: -len(".arena")] + ".lock", follow_symlinks=False).st_mtime
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode) and st.st_uid == uid:
+                found[entry.path] = (st.st_blocks * 512, used)
+    return found
+
+
+def evict(directory: str, keep: str, cap: int) -> list[str]:
+    """Delete this user's least recently used persisted caches in ``directory`` until they fit ``cap`` bytes.
+
+    Never ``keep`` (the arena being opened), never one a process holds. Returns the arenas deleted. Called under
+    the user's creation lock of the directory.
+
+    Examples:
+        >>> import tempfile
+        >>> from ignite_ext.data.cache.persist import evict
+        >>> evict(tempfile.gettempdir(), keep="", cap=1 << 40)
+        []
+
+    .. versionadded:: 0.3.0
+    """
+    from ignite_ext.data.cache.shm import remove_files, unused
+
+    caches = _own_persisted(directory)
+    total = sum(size for size, _ in caches.values())
+    deleted = []
+    for path, (size, _) in sorted(caches.items(), key=lambda item: item[1][1]):  # least recently used first
+        if total <= cap:
+            break
+        if path == keep or not unused(path):
+            continue
+        if remove_files([path]):
+            remove_files([path[: -len(".arena")] + ".lock"])
+            deleted.append(path)
+            total -= size
+    return deleted
+
+
+def checked_indices(n: int, published: Callable[[int], bool], seed: int) -> list[int]:
+    """The indices a job checks on opening a persisted cache: first, middle, last, and a few published at random.
+
+    The random ones are drawn among a few dozen indices (O(1), whatever ``n``), kept where ``published``.
+
+    Examples:
+        >>> from ignite_ext.data.cache.persist import checked_indices
+        >>> checked_indices(10, lambda i: i % 2 == 1, seed=1)[:3]
+        [0, 5, 9]
+
+    .. versionadded:: 0.3.0
+    """
+    fixed = list(fingerprint_indices(n))
+    rng = random.Random(seed)
+    drawn = [i for i in (rng.randrange(n) for _ in range(min(n, 48))) if i not in fixed and published(i)]
+    return fixed + sorted(set(drawn))[:CHECKED_AT_RANDOM]
+
+
+def stale_sample(lookup: Callable[[int], memoryview | None], dataset: Any, n: int, seed: int) -> int | None:
+    """The first checked index whose published bytes differ from its sample in ``dataset`` now, or None.
+
+    ``lookup(i)``: the published bytes of index ``i`` in the cache, or None. Each checked index that is published is
+    loaded from ``dataset`` once and encoded as the cache stores it (:func:`~ignite_ext.data.cache.codec.encode`).
+
+    Examples:
+        >>> from ignite_ext.data.cache.codec import encode
+        >>> from ignite_ext.data.cache.persist import stale_sample
+        >>> def stored(values):
+        ...     def lookup(i):
+        ...         enc = encode(values[i])
+        ...         buf = bytearray(enc.nbytes)
+        ...         enc.write_into(memoryview(buf))
+        ...         return memoryview(buf)
+        ...     return lookup
+        >>> stale_sample(stored(["a", "b", "c"]), ["a", "b", "c"], 3, seed=0) is None
+        True
+        >>> stale_sample(stored(["a", "b", "c"]), ["a", "B", "c"], 3, seed=0)
+        1
+
+    .. versionadded:: 0.3.0
+    """
+    from ignite_ext.data.cache.codec import encode
+
+    for index in checked_indices(n, lambda i: lookup(i) is not None, seed):
+        raw = lookup(index)
+        if raw is None:
+            continue
+        enc = encode(dataset[index])
+        now = bytearray(enc.nbytes)
+        enc.write_into(memoryview(now))
+        if bytes(raw) != now:
+            return index
+    return None
