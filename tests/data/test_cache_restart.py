@@ -9,6 +9,7 @@ the group before it restarts it.
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import signal
@@ -248,3 +249,76 @@ def test_an_arena_that_fails_its_check_is_not_adopted(tmp_path: Path) -> None:
     assert proc.returncode == 0 and proc.stdout.strip() == "loaded [2, 3] 2 2 4 2", (proc.stdout, proc.stderr)
     assert "was not adopted: a published entry lies outside the used part of the data area" in proc.stderr
     assert _arenas(tmp_path) == []
+
+
+def _elastic_attempt(base: CountingDataset, dirs: list[str], record: str, die: bool) -> dict[str, Any]:
+    """One attempt on any world: a node cache on the node's own disk directory (its RAM tier holds nothing), one
+    epoch, what the rank read written to ``record``; with ``die``, the last node's ranks are then SIGKILLed (a
+    lost host) and the agent ends the others."""
+    mp.current_process().daemon = False  # DataLoader workers are children of the (daemonic) rank
+    node = idist.get_node_rank()
+    ds = CachedDataset(base, scope="node", capacity_bytes=64, disk_dir=dirs[node], disk_bytes=DISK_CAP)
+    sampler = ShardedDistributedSampler(ds, shard_by="node")
+    dl = DataLoader(ds, batch_size=4, sampler=sampler, num_workers=2, multiprocessing_context="fork")
+    idist.barrier()
+    start = ds.stats(reduce="node")
+    seen = sorted(epoch(dl))
+    idist.barrier()
+    files = [ds.segment, ds.disk_segment]
+    Path(record, f"rank{idist.get_rank()}.json").write_text(json.dumps({"node": node, "seen": seen, "files": files}))
+    out = {"node": node, "seen": seen, "first": ds.stats(reduce="node") - start}
+    if die:
+        if node == idist.get_world_size() // idist.get_nproc_per_node() - 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)
+    idist.barrier()
+    ds.close()
+    return out
+
+
+def test_a_group_restarted_on_fewer_nodes_keeps_what_stayed_and_loads_what_moved(world: World, tmp_path: Path) -> None:
+    base = CountingDataset(N, size=1024, context="forkserver")
+    dirs = [str(tmp_path / "node0"), str(tmp_path / "node1")]  # each node's own disk
+    record = tmp_path / "record"
+    for d in [*dirs, str(record)]:
+        os.mkdir(d)
+    job = {"TORCHELASTIC_RUN_ID": f"elastic-{uuid.uuid4().hex}"}
+    first = world.results(  # two nodes of two ranks; after the epoch, node 1 is lost
+        _elastic_attempt,
+        base,
+        dirs,
+        str(record),
+        True,
+        nprocs=4,
+        nproc_per_node=2,
+        env={**job, "TORCHELASTIC_RESTART_COUNT": "0"},
+        on_start=_agent,
+        deadline=120,
+    )
+    assert first[2].killed or first[3].killed, [str(r) for r in first]
+    seen = [json.loads((record / f"rank{r}.json").read_text()) for r in range(4)]
+    held = {i for s in seen if s["node"] == 0 for i in s["seen"]}  # node 0's shard, on node 0's disk
+    assert len(held) == N // 2  # of 64 samples over two nodes
+    second = world(  # the job goes on with node 0 alone
+        _elastic_attempt,
+        base,
+        dirs,
+        str(record),
+        False,
+        nprocs=2,
+        nproc_per_node=2,
+        env={**job, "TORCHELASTIC_RESTART_COUNT": "1"},
+        deadline=120,
+    )
+    for r in second:
+        # Node 0 now reads every sample: what it held is served, only what moved from node 1 is loaded.
+        assert (r["first"].hits, r["first"].misses) == (len(held), N - len(held)), r["first"]
+    assert sorted(second[0]["seen"] + second[1]["seen"]) == list(range(N))
+    # The lost node's files, left to a successor that never came: deleted once its workers have ended (in a real
+    # job, by the user's first cache on that host after the job).
+    lost = {f for s in seen if s["node"] == 1 for f in s["files"]}
+    deadline = time.monotonic() + STEP_TIMEOUT_S
+    while any(os.path.exists(f) and not shm.unused(f) for f in lost) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    shm.remove_files([g for f in lost for g in (f, f.replace(".arena", ".lock"))])
+    assert not any(os.path.exists(f) for f in lost)
