@@ -169,3 +169,17 @@ def test_a_node_cache_persists_for_the_next_job_of_the_node(world: World, tmp_pa
     # Construction reads the fingerprint's three samples on each rank, and checks a few samples on opening.
     assert all(c >= 1 for c in base.loads()) and sum(base.loads()) <= 32 + 2 * sum(fingerprint_loads(32, 2)) + 5
     assert len(_persisted(tmp_path)) == 1
+
+
+@pytest.mark.distributed  # DataLoader workers
+def test_the_warm_restart_benchmark_runs_and_the_next_job_reads_only_its_checks() -> None:
+    from benchmarks import bench_warm
+
+    result = bench_warm.run(quick=True)
+    rows = {r["label"]: r for r in result["rows"]}
+    for size, n in (("64 KiB", 256), ("1 MiB", 16)):
+        # The fingerprint's three samples and at most five checked ones; a cold start reads every sample.
+        assert rows[f"{size} next job, persisted"]["storage_reads"] <= 8
+        assert rows[f"{size} next job, not persisted"]["storage_reads"] == n
+        assert rows[f"{size} cached epoch"]["storage_reads"] == 0
+    assert sum(r["variant"] == "adoption" for r in result["rows"]) == 2
