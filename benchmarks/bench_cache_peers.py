@@ -82,7 +82,17 @@ def peers_python(create: bool = True) -> tuple[str | None, str]:
 class Group:
     """The rank processes of one variant, driven by JSON lines; every answer is awaited with a deadline."""
 
-    def __init__(self, python: str, variant: str, source: str, n: int, numel: int, ranks: int, tmp: str) -> None:
+    def __init__(
+        self,
+        python: str,
+        variant: str,
+        source: str,
+        n: int,
+        numel: int,
+        ranks: int,
+        tmp: str,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.variant, self.ranks = variant, ranks
         self.workdir = tempfile.mkdtemp(prefix=variant.lower().replace("-", "_") + "_", dir=tmp)
         port = _free_port()
@@ -104,6 +114,7 @@ class Group:
                 "NODE_RANK": "0",
                 "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(port),
+                **(env or {}),
             }
             log = os.path.join(self.workdir, f"rank{rank}.log")
             with open(log, "w") as out:

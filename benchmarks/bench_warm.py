@@ -14,6 +14,14 @@ Each reports seconds and the samples it loaded from the source (storage reads), 
 cached epoch's in the same round (median over rounds). The page cache holds the persisted file (the next job on the
 same node soon after; a node whose page cache was emptied reads the file from its disk once).
 
+Then the peers' next runs, side by side (each variant in processes of its own, in the cache peers' environment,
+``scripts/cache_peers_env.sh``; see :mod:`benchmarks._cache_peers` for the warm-restart variants): a first job
+builds what the variant keeps (the persisted cache; LitData's chunks copied from a remote into its ``cache_dir``;
+Mosaic's shards copied from a remote into its ``local``), then, in each round, a new job (new processes) times its
+construction and first epoch and counts what it read from storage (samples loaded from the source, or bytes the
+peers copied from their remote); ``time_vs_persisted`` is its time over the persisted ``CachedDataset``'s in the same
+round (median over rounds; above 1: slower). A cold ``CachedDataset`` (no persistence) runs beside them.
+
 Also the cost of adopting a cache of 1 M entries (every one published): the checks and the mapping when a job opens
 a persisted cache (``Arena.open_persisted``), and when a restarted worker group adopts one (``Arena.create`` of the
 same job and key).
@@ -21,6 +29,7 @@ same job and key).
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import platform
@@ -177,7 +186,69 @@ def _adoption(n: int, tmp: str) -> list[dict[str, Any]]:
     ]
 
 
-def run(quick: bool = False) -> dict[str, Any]:
+PEER_VARIANTS = ("CachedDataset", "CachedDataset-persist", "LitData-remote", "Mosaic-remote")
+
+
+def _dir_bytes(path: str) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.stat(os.path.join(root, name)).st_size
+    return total
+
+
+def _peers(python: str, sample_bytes: int, n: int, rounds: int, tmp: str) -> list[dict[str, Any]]:
+    """The next job's first epoch of each warm-restart variant, against CachedDataset's cached epoch per round."""
+    from benchmarks._cache_peers import write_source
+    from benchmarks.bench_cache_peers import Group
+
+    source = os.path.join(tmp, "source")
+    write_source(source, n, sample_bytes // 4)
+    stores = {v: os.path.join(tmp, v) for v in PEER_VARIANTS}
+    first: dict[str, list[float]] = {v: [] for v in PEER_VARIANTS}
+    reads: dict[str, list[int]] = {v: [] for v in PEER_VARIANTS}
+
+    def job(v: str) -> tuple[float, int]:
+        store = stores[v]
+        loads, copied = os.path.join(store, "loads"), _dir_bytes(store) - _dir_bytes(os.path.join(store, "disk"))
+        before = os.path.getsize(loads) if os.path.exists(loads) else 0
+        group = Group(python, v, source, n, sample_bytes // 4, 1, tmp, env={"BENCH_WARM_STORE": store})
+        try:
+            setup = max(a["s"] for a in group.ask("setup"))
+            epoch = group.epoch(n)
+        finally:
+            group.close()
+        loaded = (os.path.getsize(loads) if os.path.exists(loads) else 0) - before
+        fetched = _dir_bytes(store) - _dir_bytes(os.path.join(store, "disk")) - copied - loaded
+        return setup + epoch, loaded * sample_bytes + max(0, fetched)
+
+    for v in PEER_VARIANTS:
+        os.makedirs(stores[v])
+        job(v)  # the job before: what the variant keeps is built
+    for r in range(rounds):
+        for v in PEER_VARIANTS[r % 4 :] + PEER_VARIANTS[: r % 4]:
+            seconds, read = job(v)
+            first[v].append(seconds)
+            reads[v].append(read)
+    ours = first["CachedDataset-persist"]
+    label = f"{sample_bytes >> 10} KiB" if sample_bytes < (1 << 20) else f"{sample_bytes >> 20} MiB"
+    shutil.rmtree(source)
+    return [
+        {
+            "label": f"{label} next job {v}",
+            "sample": label,
+            "variant": f"next job, {v}",
+            "seconds": round(statistics.median(first[v]), 3),
+            "time_vs_persisted": round(statistics.median(s / o for s, o in zip(first[v], ours, strict=True)), 2),
+            "storage_MiB": round(max(reads[v]) / (1 << 20), 1),
+            "samples": n,
+        }
+        for v in PEER_VARIANTS
+    ]
+
+
+def run(quick: bool = False, python: str | None = None) -> dict[str, Any]:
     """Both sample sizes, then the adoption of a large cache; ``quick``: 16 MiB per size, 2 rounds, 100 k entries."""
     kind = "quick" if quick else "full"
     rows: list[dict[str, Any]] = []
@@ -186,9 +257,18 @@ def run(quick: bool = False) -> dict[str, Any]:
         for sample_bytes, n in SIZES[kind]:
             rows += _size(sample_bytes, n, ROUNDS[kind], os.path.join(tmp, str(sample_bytes)))
         rows += _adoption(ADOPTED_ENTRIES[kind], tmp)
+        if python is None:
+            from benchmarks.bench_cache_peers import peers_python
+
+            python, why_not = peers_python()
+            if python is None:
+                raise RuntimeError(f"the cache peers' environment cannot be made: {why_not}")
+        for sample_bytes, n in SIZES[kind]:
+            rows += _peers(python, sample_bytes, n, ROUNDS[kind], os.path.join(tmp, f"peers_{sample_bytes}"))
     epochs = [r for r in rows if r["variant"] == "next job, persisted"]
     cold = [r for r in rows if r["variant"] == "next job, not persisted"]
     adoption = [r for r in rows if r["variant"] == "adoption"]
+    peers = [r for r in rows if "time_vs_persisted" in r and r["variant"] != "next job, CachedDataset-persist"]
     summary = (
         "The next job's first epoch with persist=True, as fast as a cached epoch: "
         + ", ".join(f"{r['sample']} {r['speed_vs_cached_epoch']:.2f}x" for r in epochs)
@@ -200,6 +280,13 @@ def run(quick: bool = False) -> dict[str, Any]:
         + ", ".join(f"{r['speed_vs_cached_epoch']:.2f}x" for r in cold)
         + "). "
         + "; ".join(f"{r['label']}: {r['seconds']} s" for r in adoption)
+        + ". The next job (new processes) against the persisted CachedDataset's, construction and first epoch, "
+        "times over ours: "
+        + ", ".join(
+            f"{r['sample']} {r['variant'].removeprefix('next job, ')} {r['time_vs_persisted']:.2f}x "
+            f"({r['storage_MiB']} MiB from storage)"
+            for r in peers
+        )
         + "."
     )
     return {
@@ -208,7 +295,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         f"{platform.python_version()}, 4 workers, batch 16, one rank",
         "rows": rows,
         "summary": summary,
-        "plot": {"x": "label", "y": ["speed_vs_cached_epoch"], "kind": "bar", "complete_rows": True},
+        "plot": {"x": "label", "y": ["time_vs_persisted"], "kind": "bar", "complete_rows": True},
     }
 
 
