@@ -34,6 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ignite_ext.data.cache.identity import fingerprint_indices
+from ignite_ext.errors import IgniteExtError
 
 __all__ = [
     "PERSIST_RE",
@@ -54,8 +55,20 @@ DEFAULT_CAP_FRACTION = 0.5
 CHECKED_AT_RANDOM = 3
 
 
-class StaleCacheWarning(RuntimeWarning):
-    """A persisted cache held samples that differ from its dataset's now: it is rebuilt.
+class StaleCacheWarning(IgniteExtError, RuntimeWarning):
+    """A persisted cache held samples that differ from its dataset's now (or could not be kept): it is rebuilt.
+
+    A :class:`RuntimeWarning`, and, like everything the package raises, an
+    :class:`~ignite_ext.errors.IgniteExtError`.
+
+    Examples:
+        >>> import warnings
+        >>> from ignite_ext.data.cache import StaleCacheWarning
+        >>> with warnings.catch_warnings(record=True) as seen:
+        ...     warnings.simplefilter("always")
+        ...     warnings.warn("rebuilt", StaleCacheWarning)
+        >>> issubclass(seen[0].category, RuntimeWarning)
+        True
 
     .. versionadded:: 0.3.0
     """
