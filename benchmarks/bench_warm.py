@@ -45,6 +45,8 @@ NAME = "warm"
 #: (sample bytes, samples): 128 MiB per size in the full run.
 SIZES = {"full": ((64 << 10, 2048), (1 << 20, 128)), "quick": ((64 << 10, 256), (1 << 20, 16))}
 ROUNDS = {"full": 5, "quick": 2}
+#: Rounds of the peers' next jobs (each a new group of processes: seconds apiece).
+PEER_ROUNDS = {"full": 3, "quick": 2}
 ADOPTED_ENTRIES = {"full": 1_000_000, "quick": 100_000}
 VARIANTS = ("cached epoch", "next job, persisted", "next job, not persisted")
 
@@ -264,7 +266,7 @@ def run(quick: bool = False, python: str | None = None) -> dict[str, Any]:
             if python is None:
                 raise RuntimeError(f"the cache peers' environment cannot be made: {why_not}")
         for sample_bytes, n in SIZES[kind]:
-            rows += _peers(python, sample_bytes, n, ROUNDS[kind], os.path.join(tmp, f"peers_{sample_bytes}"))
+            rows += _peers(python, sample_bytes, n, PEER_ROUNDS[kind], os.path.join(tmp, f"peers_{sample_bytes}"))
     epochs = [r for r in rows if r["variant"] == "next job, persisted"]
     cold = [r for r in rows if r["variant"] == "next job, not persisted"]
     adoption = [r for r in rows if r["variant"] == "adoption"]
