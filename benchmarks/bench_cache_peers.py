@@ -91,7 +91,7 @@ class Group:
         numel: int,
         ranks: int,
         tmp: str,
-        env: dict[str, str] | None = None,
+        extra_env: dict[str, str] | None = None,
     ) -> None:
         self.variant, self.ranks = variant, ranks
         self.workdir = tempfile.mkdtemp(prefix=variant.lower().replace("-", "_") + "_", dir=tmp)
@@ -114,7 +114,7 @@ class Group:
                 "NODE_RANK": "0",
                 "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(port),
-                **(env or {}),
+                **(extra_env or {}),
             }
             log = os.path.join(self.workdir, f"rank{rank}.log")
             with open(log, "w") as out:

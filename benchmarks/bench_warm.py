@@ -215,7 +215,7 @@ def _peers(python: str, sample_bytes: int, n: int, rounds: int, tmp: str) -> lis
         store = stores[v]
         loads, copied = os.path.join(store, "loads"), _dir_bytes(store) - _dir_bytes(os.path.join(store, "disk"))
         before = os.path.getsize(loads) if os.path.exists(loads) else 0
-        group = Group(python, v, source, n, sample_bytes // 4, 1, tmp, env={"BENCH_WARM_STORE": store})
+        group = Group(python, v, source, n, sample_bytes // 4, 1, tmp, extra_env={"BENCH_WARM_STORE": store})
         try:
             setup = max(a["s"] for a in group.ask("setup"))
             epoch = group.epoch(n)
