@@ -168,19 +168,25 @@ class Variant:
         self.files = [self.dataset.segment]
         self.loader = self._plain_loader(self.dataset)
 
+    def _optimize(self, out: str) -> None:
+        """LitData's ``optimize`` of the source into ``out`` (4 workers, 64 MB chunks, no compression)."""
+        import litdata
+
+        litdata.optimize(
+            fn=functools.partial(_lit_sample, self.source),
+            inputs=list(range(len(self.source))),
+            output_dir=out,
+            chunk_bytes=CHUNK_BYTES,
+            num_workers=WORKERS,
+            verbose=False,
+        )
+
     def _setup_litdata(self) -> None:
         import litdata
 
         out = os.path.join(self.workdir, "litdata")
         if self.rank == 0:
-            litdata.optimize(
-                fn=functools.partial(_lit_sample, self.source),
-                inputs=list(range(len(self.source))),
-                output_dir=out,
-                chunk_bytes=CHUNK_BYTES,
-                num_workers=WORKERS,
-                verbose=False,
-            )
+            self._optimize(out)
         self._barrier()
         self.dataset = litdata.StreamingDataset(out, shuffle=True, cache_dir=os.path.join(self.workdir, "lit_cache"))
         self.loader = litdata.StreamingDataLoader(
@@ -205,14 +211,7 @@ class Variant:
         store = os.environ["BENCH_WARM_STORE"]
         remote = os.path.join(store, "lit_remote")
         if self.rank == 0 and not os.path.exists(os.path.join(remote, "index.json")):
-            litdata.optimize(
-                fn=functools.partial(_lit_sample, self.source),
-                inputs=list(range(len(self.source))),
-                output_dir=remote,
-                chunk_bytes=CHUNK_BYTES,
-                num_workers=WORKERS,
-                verbose=False,
-            )
+            self._optimize(remote)
         self._barrier()
         cache = os.path.join(store, "lit_cache")
         self.dataset = litdata.StreamingDataset("local:" + remote, shuffle=True, cache_dir=cache)

@@ -34,6 +34,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ignite_ext.data.cache.identity import fingerprint_indices
+from ignite_ext.data.cache.restart import cache_key
+from ignite_ext.data.cache.shm import remove_files, unused
 from ignite_ext.errors import IgniteExtError
 
 __all__ = [
@@ -86,8 +88,6 @@ def persist_key(*identity: object) -> int:
 
     .. versionadded:: 0.3.0
     """
-    from ignite_ext.data.cache.restart import cache_key
-
     return cache_key("persist", *identity)
 
 
@@ -160,8 +160,6 @@ def evict(directory: str, keep: str, cap: int) -> list[str]:
 
     .. versionadded:: 0.3.0
     """
-    from ignite_ext.data.cache.shm import remove_files, unused
-
     caches = _own_persisted(directory)
     total = sum(size for size, _ in caches.values())
     deleted = []
