@@ -20,7 +20,9 @@ class Lingering:
     Under ``env://`` launches the store lives in rank 0's process: if rank 0 ended its process right after
     a block, the others could lose the store while reading the outcome. Rather than make every block wait,
     rank 0 keeps the store alive and, at interpreter exit, waits (bounded, on one key) until the others
-    acknowledged. The next block needs nothing: its entry proves everyone finished the previous one.
+    acknowledged. The next block needs nothing: its entry proves everyone finished the previous one. So the others
+    acknowledge off the blocks' path, at their heartbeat's next beat (``T/6``) or their own exit, whichever comes
+    first (:meth:`~ignite_ext.distributed.liveness.Heartbeat.ack_later`), and only their latest block.
     """
 
     pending: tuple[Store, BlockKeys, int] | None = None

@@ -23,7 +23,8 @@ Every key lives under ``ignite_ext/``; this module is the only place that spells
     ignite_ext/sched/<seq>/exits         every rank (add)        by rank 0, idem                  counter
     ignite_ext/sched/<seq>/nfail         failing ranks (add)     by rank 0, idem                  counter
     ignite_ext/sched/<seq>/fail/<i>      the i-th failing rank   by that rank, idem               failures JSON
-    ignite_ext/sched/<seq>/acks          every rank but 0 (add)  by rank 0, idem                  counter
+    ignite_ext/sched/<seq>/acks          every rank but 0 (add,  by rank 0, idem                  counter
+                                         at its next beat)
     ignite_ext/sched/<seq>/acked         the last rank to ack    by rank 0, idem                  "1"
     ignite_ext/sched/<seq>/wake/<rank>/<phase>  whoever completes by rank, idem                   "w"/"t"
                                          what rank waits for in
@@ -59,6 +60,7 @@ __all__ = [
     "PHASES",
     "BlockKeys",
     "Store",
+    "ack",
     "client_of_this_thread",
     "clone",
     "cut_key",
@@ -218,6 +220,26 @@ def put_once(store: Store, key: str, value: bytes) -> bool:
     .. versionadded:: 0.2.0
     """
     return bytes(store.compare_set(key, "", value)) == value  # type: ignore[arg-type]
+
+
+def ack(store: Store, acks: str, acked: str, expected: int) -> None:
+    """Count one acknowledgement of a block's outcome in ``acks``; the one that makes ``expected`` sets ``acked``.
+
+    At least ``expected``: a rank lost while leaving may have acknowledged before it died, and then been
+    acknowledged for by the rank that declared it.
+
+    Examples:
+        >>> import torch.distributed as dist
+        >>> from ignite_ext.distributed._store import ack, read
+        >>> store = dist.HashStore()
+        >>> ack(store, "acks", "acked", 2); read(store, "acked")
+        >>> ack(store, "acks", "acked", 2); read(store, "acked")
+        b'1'
+
+    .. versionadded:: 0.3.0
+    """
+    if store.add(acks, 1) >= expected:
+        put(store, acked, b"1")
 
 
 def clone(store: Store) -> Store:

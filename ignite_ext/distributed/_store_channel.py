@@ -54,6 +54,7 @@ from ignite_ext.distributed._steps import store_port, watchdog, watchdog_enabled
 from ignite_ext.distributed._store import (
     BlockKeys,
     Store,
+    ack,
     client_of_this_thread,
     forget_client_of_this_thread,
     put,
@@ -453,6 +454,9 @@ class StoreChannel(Channel):
     def _exchange(self, mine: bytes, judge: Callable[[list[bytes]], bytes]) -> bytes:
         client, keys = self.client, self.keys
         self._check_not_declared()
+        # This entry proves that this rank left the block before: an acknowledgement still pending is moot (and
+        # sent after this block's verdict, it could recreate a key already deleted).
+        self.heartbeat.cancel_ack()
         put(client, keys.entry(self.rank), mine)
         if int(client.add(keys.entered, 1)) != self.world_size:
             # Not posted yet (the last rank to enter has yet to come), or posted and this rank's key set already.
@@ -478,9 +482,8 @@ class StoreChannel(Channel):
         return exits
 
     def _ack(self) -> None:
-        # At least: a rank lost while leaving may have acked before it died, and then been acked for.
-        if self.client.add(self.keys.acks, 1) >= self.world_size - 1:
-            put(self.client, self.keys.acked, b"1")
+        """Acknowledge for a dead rank at once (a live rank's own acknowledgement goes through its heartbeat)."""
+        ack(self.client, self.keys.acks, self.keys.acked, self.world_size - 1)
 
     def wait_turn(self) -> list[RankFailure]:
         return self._step(self._wait_turn)
@@ -501,8 +504,9 @@ class StoreChannel(Channel):
         self._check_not_declared()
         if not put_once(self.client, self.keys.outcome(self.rank), encode_failures(own or inherited)):
             raise self._declared_dead()
-        exits = self._record_exit(own)
+        # The ranks waiting for this outcome first: the exit count below is nobody's to wait for but the last.
         self._wake(self._dependents[self.rank], "turn")
+        exits = self._record_exit(own)
         found = own + inherited
         if not found:
             exits = self._wait(
@@ -520,7 +524,7 @@ class StoreChannel(Channel):
                 found += decode_failures(self.client.get(self.keys.fail(i)))
             found = _one_per_rank(found)
         if self.rank != 0:
-            self._ack()
+            self.heartbeat.ack_later(self.keys.acks, self.keys.acked, self.world_size - 1)
         elif linger:
             Lingering.hold(self.store, self.keys, self.world_size - 1)
         return self._unless_declared(_one_per_rank(found))

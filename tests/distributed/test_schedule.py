@@ -275,6 +275,35 @@ def test_many_back_to_back_blocks_with_frequent_key_cleanup(world: World) -> Non
     assert seen == [["ok"] * 400] * 4
 
 
+def body_drains_after_the_others_acknowledged(others_exit: bool) -> dict[str, Any]:
+    from ignite_ext.distributed._lingering import Lingering
+    from ignite_ext.distributed._store import read
+
+    with idist.one_rank_first():
+        pass
+    if idist.get_rank() != 0:
+        if not others_exit:
+            time.sleep(4.0)  # alive, between blocks: the heartbeat's next beat acknowledges
+        return {}  # else the process ends now: its exit acknowledges
+    assert Lingering.pending is not None
+    store, keys, _ = Lingering.pending
+    start = time.monotonic()
+    Lingering.drain()  # what rank 0's exit does
+    return {"waited": time.monotonic() - start, "acked": read(store, keys.acked)}
+
+
+@pytest.mark.parametrize("others_exit", [False, True], ids=["others-alive", "others-exit"])
+def test_rank_0_exit_waits_for_the_acknowledgements_that_no_block_waits_for(world: World, others_exit: bool) -> None:
+    # The others acknowledge the last block at their next beat (T/6 = 1 s here) or at their exit, not in the block.
+    # Rank 0 waits for that at its exit, at most T (6 s); half of T leaves 2 beats of margin on a loaded machine.
+    t = 6.0
+    results = world(
+        body_drains_after_the_others_acknowledged, others_exit, env={"IGNITE_EXT_HEARTBEAT_TIMEOUT": str(t)}
+    )
+    assert results[0]["acked"] == b"1", results
+    assert results[0]["waited"] < t / 2, results
+
+
 def body_failing_blocks_store_keys() -> list[int]:
     from torch.distributed import distributed_c10d
 

@@ -22,6 +22,7 @@ The cost of a failure: per suspicion, two reads of ``N`` counters by each watche
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import math
 import os
@@ -35,6 +36,7 @@ from ignite_ext.distributed._steps import store_port, watchdog, watchdog_enabled
 from ignite_ext.distributed._store import (
     CUTS_KEY,
     Store,
+    ack,
     clone,
     cut_key,
     default_store,
@@ -79,6 +81,9 @@ class Heartbeat:
         self._every = beat_interval()
         self._port = store_port(self._client)
         self._pending: list[str] = []
+        self._ack: tuple[str, str, int] | None = None  # an acknowledgement to send (see ack_later)
+        self._ack_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
         self._ticks: dict[str, float] = {}  # wake key -> when to set it
         # When the thread wakes next unless woken (infinity while it is deciding): a tick due later needs no wake-up.
         self._sleeps_until = math.inf
@@ -110,6 +115,12 @@ class Heartbeat:
                 hb = cls._instances[store] = cls(store, rank, world_size)
             return hb
 
+    @classmethod
+    def running(cls, store: Store) -> Heartbeat | None:
+        """The heartbeat of ``store`` in this process, if one has started (none is started here)."""
+        with cls._guard:
+            return cls._instances.get(store)
+
     # --- what the waiters use (no request) ------------------------------------------------------------------------
 
     def cuts(self) -> list[Cut]:
@@ -121,6 +132,29 @@ class Heartbeat:
         """Delete ``keys`` at the next beat (a block's keys, once every rank has left it)."""
         with self._lock:
             self._pending.extend(keys)
+
+    def ack_later(self, acks: str, acked: str, expected: int) -> None:
+        """Acknowledge a block's outcome (:func:`~ignite_ext.distributed._store.ack`) at the next beat or exit.
+
+        Only rank 0's process waits for it, and only at its exit (see :mod:`ignite_ext.distributed._lingering`): a
+        request per rank and block on the way to the next block is not worth it. The latest block's replaces an
+        earlier one's, whose hold the next block has released. Without a running thread it is sent at once.
+        """
+        with self._ack_lock:
+            self._ack = (acks, acked, expected)
+        if self._thread is None or not self._thread.is_alive():
+            self._flush_ack()
+
+    def cancel_ack(self) -> None:
+        """Drop the pending acknowledgement (this rank is entering a block); wait for one being sent."""
+        with self._ack_lock:
+            self._ack = None
+
+    def _flush_ack(self) -> None:
+        with self._ack_lock:  # held while sending: cancel_ack returns only once no acknowledgement is on its way
+            pending, self._ack = self._ack, None
+            if pending is not None:
+                ack(self._client, *pending)
 
     def tick(self, key: str, seconds: float) -> None:
         """Set ``key`` in ``seconds`` (ends the caller's slice), or at once when a cut comes, unless :meth:`untick`."""
@@ -158,6 +192,7 @@ class Heartbeat:
         if suspect and (cut := detector.on_snapshot(now, self._snapshot())):
             self._propose(cut, detector.silence(now))
         Lingering.release()
+        self._flush_ack()
         with self._lock:
             pending, self._pending = self._pending, []
         for key in pending:
@@ -272,6 +307,9 @@ class Heartbeat:
         try:
             self._loop()
         finally:
+            # Leaving (interpreter exit, the process group destroyed): rank 0 may wait for it at its own exit.
+            with contextlib.suppress(RuntimeError, OSError):
+                self._flush_ack()
             self._end_watching()
 
     def _loop(self) -> None:
@@ -333,7 +371,8 @@ def _stop_beating() -> None:
     _STOPPING.set()
     for heartbeat in list(_RUNNING):
         heartbeat._wake.set()
-        heartbeat._thread.join(timeout=1.0)
+        if heartbeat._thread is not None:
+            heartbeat._thread.join(timeout=1.0)
         heartbeat._end_watching()
 
 
