@@ -20,7 +20,7 @@ if TYPE_CHECKING:
         FrozenTransformWarning,
         NetworkFilesystemWarning,
     )
-    from ignite_ext.data.download import download_url, extract_archive
+    from ignite_ext.data.download import download_for_job, download_url, extract_archive
     from ignite_ext.data.sampler import SamplerHandler, ShardedDistributedSampler
     from ignite_ext.errors import ArchiveError, ChecksumError, DownloadError, ShmSpaceError
 
@@ -36,6 +36,7 @@ __all__ = [
     "SamplerHandler",
     "ShardedDistributedSampler",
     "ShmSpaceError",
+    "download_for_job",
     "download_url",
     "extract_archive",
 ]
@@ -46,6 +47,7 @@ _HOMES = {
     "ChecksumError": "ignite_ext.errors",
     "DownloadError": "ignite_ext.errors",
     "ShmSpaceError": "ignite_ext.errors",
+    "download_for_job": "ignite_ext.data.download",
     "download_url": "ignite_ext.data.download",
     "extract_archive": "ignite_ext.data.download",
     "SamplerHandler": "ignite_ext.data.sampler",

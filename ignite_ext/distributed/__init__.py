@@ -20,6 +20,7 @@ from ignite_ext.distributed import _aliases
 from ignite_ext.distributed.agreement import agree
 from ignite_ext.distributed.errors import CollectiveError, RankDiedError, RankFailedError, RankFailure, StoreLostError
 from ignite_ext.distributed.liveness import watch_for_groups as _watch_for_groups
+from ignite_ext.distributed.membership import job_store, lost_ranks
 from ignite_ext.distributed.policies import Comm, MasterFirst, Ordered, Plan, Policy, Turn, World
 from ignite_ext.distributed.schedule import one_rank_first, rank_scheduler
 from ignite_ext.distributed.shared_path import SharedPath
@@ -39,6 +40,8 @@ __all__ = [
     "Turn",
     "World",
     "agree",
+    "job_store",
+    "lost_ranks",
     "one_rank_first",
     "rank_scheduler",
 ]

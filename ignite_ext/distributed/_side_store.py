@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # as Store: declared in the stub of torch's extension, export
 else:
     from torch.distributed import TCPStore
 
-__all__ = ["SIDE_STORE_MODELS", "side_store", "store_address"]
+__all__ = ["SIDE_STORE_MODELS", "existing_side_store", "side_store", "store_address"]
 
 #: The computation models (``idist.model_name()``) without a store of their own.
 SIDE_STORE_MODELS = ("horovod-dist", "xla-dist")
@@ -96,6 +96,14 @@ def _connect(address: str) -> Store | None:
         return None
     client.set_timeout(_OPERATION_TIMEOUT)
     return client
+
+
+def existing_side_store() -> Store | None:
+    """This world's side-channel store if :func:`side_store` has made it already (no collective: any rank may ask).
+
+    .. versionadded:: 0.3.0
+    """
+    return _BY_MODEL.get(idist_utils._model)
 
 
 def side_store() -> Store | None:

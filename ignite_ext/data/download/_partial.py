@@ -22,6 +22,7 @@ import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from ignite_ext._fs import (
     OWNER,
@@ -38,7 +39,7 @@ from ignite_ext._fs import (
 from ignite_ext.data.download._http import Validator
 from ignite_ext.data.download._verify import CHUNK, hashers
 
-__all__ = ["ORPHAN_MAX_AGE_S", "Partial", "Segment", "claim", "meta_path", "park", "parked_path"]
+__all__ = ["ORPHAN_MAX_AGE_S", "Observer", "Partial", "Segment", "claim", "meta_path", "park", "parked_path"]
 
 logger = logging.getLogger("ignite_ext.data.download")
 
@@ -74,6 +75,19 @@ def meta_path(partial: Path) -> Path:
     return partial.with_name(partial.name + ".json")
 
 
+class Observer(Protocol):
+    """Told of each byte a :class:`Partial` keeps: a relay serving the file as it grows (see ``_relay_server``)."""
+
+    def source(self, total: int, etag: str | None, last_modified: str | None, fd: int, size: int) -> None:
+        """The bytes are of this version of ``total`` bytes; ``size`` of them are in ``fd`` already."""
+
+    def grew(self, prefix: int) -> None:
+        """The first ``prefix`` bytes are in the file."""
+
+    def restart(self) -> None:
+        """The bytes start over."""
+
+
 class Partial:
     """One writer's private temp file: its bytes, where they came from, and their running digests."""
 
@@ -93,6 +107,8 @@ class Partial:
         self.discard = False
         #: ``[start, stop, done]`` of each segment of a parallel fetch in progress (beyond ``size`` is not held).
         self.segments: list[list[int]] | None = None
+        #: Told of the bytes as they are kept (a relay serving them to the job's other holders), if any.
+        self.observer: Observer | None = None
         # Never through a link: the path is private, but a shared folder's other users could have put one there.
         self.fd = os.open(path, os.O_RDWR | _NOFOLLOW | getattr(os, "O_BINARY", 0))
         self._hashers = hashers(self.algorithms)
@@ -106,6 +122,8 @@ class Partial:
         return meta_path(self.path)
 
     def restart(self) -> None:
+        if self.observer is not None:
+            self.observer.restart()  # before the bytes go: a relay stops serving them first
         os.ftruncate(self.fd, 0)
         os.lseek(self.fd, 0, os.SEEK_SET)
         self.size = 0
@@ -119,6 +137,8 @@ class Partial:
             view = view[os.write(self.fd, view) :]
         self._update(data)
         self.size += len(data)
+        if self.observer is not None:
+            self.observer.grew(self.size)
 
     def _update(self, data: bytes) -> None:
         for hasher in self._hashers.values():
@@ -131,6 +151,8 @@ class Partial:
         """Record, next to the bytes, which URL and version they belong to (what a later resume needs)."""
         self.url, self.validator, self.total = url, validator, total
         self._record()
+        if self.observer is not None and total is not None:
+            self.observer.source(total, validator.etag, validator.last_modified, self.fd, self.size)
 
     def note_segments(self, segments: Sequence[Segment] | None) -> None:
         """Record how far each segment of a parallel fetch got (a later writer keeps only the complete prefix)."""
@@ -150,6 +172,8 @@ class Partial:
         self.size = stop
         os.lseek(self.fd, stop, os.SEEK_SET)
         self.note_segments(None)
+        if self.observer is not None:
+            self.observer.grew(self.size)
 
     def _record(self) -> None:
         if self.url is None or self.validator is None:

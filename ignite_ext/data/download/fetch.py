@@ -39,7 +39,7 @@ import os
 import re
 import time
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import IO
 
@@ -67,11 +67,13 @@ from ignite_ext.data.download._job import (
 )
 from ignite_ext.data.download._parallel import fetch_segments, plan_segments
 from ignite_ext.data.download._partial import ORPHAN_MAX_AGE_S, Partial, Segment, claim, park
+from ignite_ext.data.download._relaying import current as current_relaying
+from ignite_ext.data.download._relaying import from_relays, gave_up, hand_over
 from ignite_ext.data.download._verify import CHUNK, expected_digests, is_valid, mismatch, remember_digests
 from ignite_ext.data.download.extract import DEFAULT_MAX_TOTAL_BYTES, archive_stem, extract_archive
 from ignite_ext.errors import ChecksumError, DownloadError
 
-__all__ = ["ORPHAN_MAX_AGE_S", "ChecksumError", "DownloadError", "download_url"]
+__all__ = ["ORPHAN_MAX_AGE_S", "ChecksumError", "DownloadError", "check_arguments", "download_url"]
 
 logger = logging.getLogger("ignite_ext.data.download")
 
@@ -171,16 +173,7 @@ def download_url(
        user's process holds is bounded.
     """
     urls = [url, *mirrors]
-    for each in urls:
-        check_scheme(each)
-    if retries < 0 or not timeout > 0 or (deadline is not None and not deadline > 0):
-        raise ValueError(
-            f"need retries >= 0, timeout > 0 and deadline > 0 or None, got {retries=}, {timeout=}, {deadline=}"
-        )
-    if not low_speed_limit >= 0 or not low_speed_time > 0:
-        raise ValueError(f"need low_speed_limit >= 0 and low_speed_time > 0, got {low_speed_limit=}, {low_speed_time=}")
-    if isinstance(connections, bool) or not isinstance(connections, int) or not 1 <= connections <= 64:
-        raise ValueError(f"connections must be an int from 1 to 64, got {connections!r}")
+    check_arguments(urls, timeout, retries, deadline, connections, low_speed_limit, low_speed_time)
     expected = expected_digests(sha256=sha256, md5=md5)
     root_dir = Path(root).expanduser()
     root_dir.mkdir(parents=True, exist_ok=True)
@@ -212,6 +205,31 @@ def download_url(
     return extract_archive(target, root_dir / archive_stem(target.name), max_total_bytes=max_total_bytes)
 
 
+def check_arguments(
+    urls: Sequence[str],
+    timeout: float,
+    retries: int,
+    deadline: float | None,
+    connections: int,
+    low_speed_limit: float,
+    low_speed_time: float,
+) -> None:
+    """Raise ``ValueError`` for an argument :func:`download_url` cannot take (the digests aside).
+
+    .. versionadded:: 0.3.0
+    """
+    for each in urls:
+        check_scheme(each)
+    if retries < 0 or not timeout > 0 or (deadline is not None and not deadline > 0):
+        raise ValueError(
+            f"need retries >= 0, timeout > 0 and deadline > 0 or None, got {retries=}, {timeout=}, {deadline=}"
+        )
+    if not low_speed_limit >= 0 or not low_speed_time > 0:
+        raise ValueError(f"need low_speed_limit >= 0 and low_speed_time > 0, got {low_speed_limit=}, {low_speed_time=}")
+    if isinstance(connections, bool) or not isinstance(connections, int) or not 1 <= connections <= 64:
+        raise ValueError(f"connections must be an int from 1 to 64, got {connections!r}")
+
+
 def _target_name(url: str, filename: str | None) -> str:
     name = filename if filename is not None else Path(urllib.parse.unquote(urllib.parse.urlsplit(url).path)).name
     if not name or name in (".", "..") or "/" in name or os.sep in name or "\0" in name:
@@ -231,35 +249,59 @@ def _lock_path(target: Path) -> Path:
 
 def _fetch(target: Path, urls: Sequence[str], job: Job) -> None:
     partial = claim(target, urls, set(job.expected))
+    relays = current_relaying()
+    # In a job-wide fetch: serve these bytes to the holders after this one, and take them from those before it.
+    member = relays.join(target, urls, job, partial) if relays is not None else None
     published = False
     try:
+        with _no_space_is_a_download_error(urls[0], partial, target):
+            if member is not None and not member.from_origin and from_relays(member, partial, job):
+                _publish(partial, target)
+                published = True
+                hand_over(member, partial, target)
+                return
+        if member is not None:
+            member.from_origin = True  # every holder before this one was lost: the origin it is
         failures: list[DownloadError] = []
         for url in urls:
             if failures:
                 logger.warning("%s; trying %s", failures[-1], url)
-            try:
+            with _no_space_is_a_download_error(url, partial, target):
                 failure = _fetch_from(url, partial, target, job)
-            except OSError as exc:
-                if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or isinstance(exc, DownloadError):
-                    raise
-                partial.discard = True  # resuming into a full disk would fail again at once
-                raise DownloadError(
-                    f"{url}: no space left on the device of {target.parent} after {partial.size} bytes "
-                    f"({os.strerror(exc.errno)}); nothing was kept",
-                    url=url,
-                ) from exc
             if failure is None:
                 _publish(partial, target)
                 published = True
+                if member is not None:
+                    hand_over(member, partial, target)
                 return
             failures.append(failure)
             if isinstance(failure, DeadlinePassed):
                 break
-        raise _combined(failures)
+        error = _combined(failures)
+        if member is not None:
+            gave_up(member, error)
+        raise error
     finally:
         if not published:
+            if member is not None:
+                member.growing.end()
             partial.close()
             park(partial, target, urls[0])
+
+
+@contextlib.contextmanager
+def _no_space_is_a_download_error(url: str, partial: Partial, target: Path) -> Iterator[None]:
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or isinstance(exc, DownloadError):
+            raise
+        partial.discard = True  # resuming into a full disk would fail again at once
+        raise DownloadError(
+            f"{url}: no space left on the device of {target.parent} after {partial.size} bytes "
+            f"({os.strerror(exc.errno)}); nothing was kept",
+            url=url,
+        ) from exc
 
 
 def _fetch_from(url: str, partial: Partial, target: Path, job: Job) -> DownloadError | None:

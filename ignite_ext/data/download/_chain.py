@@ -1,0 +1,122 @@
+"""The holders of one file in one job, in the order they came: who fetches from the origin, who from whom.
+
+Through the store every rank of the job shares (:func:`ignite_ext.distributed.job_store`), under
+``ignite_ext/relay/<file>/`` where ``<file>`` hashes the file's first URL, name and expected digests:
+
+.. code-block:: text
+
+    key                 written by                            what
+    holders             each holder as it joins (add)         its place: 1 fetches from the origin, p from p - 1
+    secret              the first holder to ask (compare_set) 32 random bytes, hex: the relays' shared secret
+    at/<p>              holder p, before it fetches           its rank and its relay's address (JSON)
+    failed              the origin's holder, if it gives up   the error's type and message (JSON): raised by all
+    sha256              the origin's holder, once published   the file's SHA-256 and size, checked by every copy
+
+Per holder: one ``add``, two requests for the secret, one ``set``, one ``wait`` and ``get`` per holder it turns
+to (its predecessor, unless that one is lost), one ``check`` per relay lost; one ``wait`` and ``get`` of the
+digest when no digest was given. O(1) per holder and per rank that holds nothing; the keys (O(holders), a few
+hundred bytes each) live as long as the store, which ends with the job.
+
+.. versionadded:: 0.3.0
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from ignite_ext.errors import ChecksumError, DownloadError
+
+__all__ = ["Chain", "Holder", "file_id"]
+
+_ROOT = "ignite_ext/relay"
+
+
+def file_id(first_url: str, name: str, expected: Mapping[str, str]) -> str:
+    """What names one file across the job's hosts (whatever directory each keeps it in).
+
+    Examples:
+        >>> from ignite_ext.data.download._chain import file_id
+        >>> file_id("https://example.com/a.tar", "a.tar", {}) == file_id("https://example.com/a.tar", "a.tar", {})
+        True
+    """
+    key = json.dumps([first_url, name, sorted(expected.items())])
+    return hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Holder ``place`` of the chain: its rank, and where its relay listens."""
+
+    place: int
+    rank: int
+    host: str
+    port: int
+
+
+class Chain:
+    """The chain of one file through the job's store (see the module docstring)."""
+
+    def __init__(self, store: Any, file: str) -> None:
+        self.store = store
+        self.file = file
+        self.prefix = f"{_ROOT}/{file}"
+
+    def join(self) -> int:
+        """This holder's place: 1 for the first to come."""
+        return int(self.store.add(f"{self.prefix}/holders", 1))
+
+    def secret(self) -> bytes:
+        key = f"{self.prefix}/secret"
+        self.store.compare_set(key, "", secrets.token_hex(32))
+        return bytes.fromhex(bytes(self.store.get(key)).decode())
+
+    def post(self, holder: Holder) -> None:
+        self.store.set(f"{self.prefix}/at/{holder.place}", json.dumps([holder.rank, holder.host, holder.port]))
+
+    def holder(self, place: int, timeout: float) -> Holder | None:
+        """Holder ``place``, once it has said where it listens (None if it has not within ``timeout``)."""
+        key = f"{self.prefix}/at/{place}"
+        try:
+            self.store.wait([key], timedelta(seconds=max(0.001, timeout)))
+        except RuntimeError:  # DistStoreError: the wait timed out
+            return None
+        rank, host, port = json.loads(bytes(self.store.get(key)))
+        return Holder(place, int(rank), str(host), int(port))
+
+    def post_failure(self, exc: DownloadError) -> None:
+        """The origin's holder gave up: every holder raises this error."""
+        record: dict[str, Any] = {"message": str(exc), "url": exc.url, "status": exc.status}
+        if isinstance(exc, ChecksumError):
+            record["checksum"] = [exc.algorithm, exc.expected, exc.actual]
+        self.store.compare_set(f"{self.prefix}/failed", "", json.dumps(record))
+
+    def failure(self) -> DownloadError | None:
+        """The error the origin's holder gave up with, if it did (one ``check``), as a new error of its type."""
+        key = f"{self.prefix}/failed"
+        if not self.store.check([key]):
+            return None
+        record = json.loads(bytes(self.store.get(key)))
+        message, url, status = record["message"], record["url"], record["status"]
+        if "checksum" in record:
+            algorithm, expected, actual = record["checksum"]
+            return ChecksumError(message, algorithm=algorithm, expected=expected, actual=actual, url=url)
+        return DownloadError(message, url=url, status=status)
+
+    def post_digest(self, sha256: str, size: int) -> None:
+        self.store.set(f"{self.prefix}/sha256", json.dumps([sha256, size]))
+
+    def digest(self, timeout: float) -> tuple[str, int] | None:
+        """The SHA-256 and size of the origin holder's published copy (None if not posted within ``timeout``)."""
+        key = f"{self.prefix}/sha256"
+        try:
+            self.store.wait([key], timedelta(seconds=max(0.001, timeout)))
+        except RuntimeError:
+            return None
+        sha256, size = json.loads(bytes(self.store.get(key)))
+        return str(sha256), int(size)

@@ -1,0 +1,94 @@
+"""A holder's side of a relay: receive the file from another holder of the job into its own temp file.
+
+The bytes go into the holder's :class:`~ignite_ext.data.download._partial.Partial`, recorded as the origin's (its
+first URL and the version the relay names), so a crash, a relay's death or a switch to the origin resumes from
+them, and only on the same version: a relay that serves another version starts the file over.
+
+.. versionadded:: 0.3.0
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+
+from ignite_ext.data.download._http import Validator
+from ignite_ext.data.download._partial import Partial
+from ignite_ext.data.download._relay_wire import HANDSHAKE_TIMEOUT_S, client_hello, read_message
+from ignite_ext.data.download._verify import CHUNK
+from ignite_ext.errors import IgniteExtError
+
+__all__ = ["RelayGone", "receive"]
+
+
+class RelayGone(IgniteExtError, ConnectionError):
+    """The relay could not serve the rest of the file: unreachable, closed, refused, or its rank was lost.
+
+    Never leaves the job-wide fetch: the holder then turns to another holder, or to the origin.
+
+    .. versionadded:: 0.3.0
+    """
+
+
+def receive(
+    address: tuple[str, int],
+    secret: bytes,
+    file_id: str,
+    partial: Partial,
+    origin: str,
+    *,
+    alive: Callable[[], bool],
+    slice_s: float,
+    check: Callable[[], None] = lambda: None,
+    on_bytes: Callable[[int], None] = lambda n: None,
+) -> None:
+    """Make ``partial`` hold the whole file, from the relay at ``address``; resume from what it holds if it can.
+
+    ``alive`` is asked each ``slice_s`` seconds without a byte: a relay whose upstream is slow is waited for as
+    long as its rank is alive; one whose rank the job lost is given up. ``check`` is called after each chunk and
+    slice (the caller's deadline: what it raises ends the transfer).
+
+    Raises:
+        RelayGone: the rest of the file cannot come from this relay.
+    """
+    try:
+        sock = socket.create_connection(address, timeout=HANDSHAKE_TIMEOUT_S)
+    except OSError as exc:
+        raise RelayGone(f"relay {address[0]}:{address[1]}: {exc}") from exc
+    with sock:
+        same = partial.url == origin and partial.validator is not None and not partial.no_resume
+        validator = partial.validator if same and partial.validator is not None else Validator()
+        request = {
+            "file": file_id,
+            "offset": partial.size if same else 0,
+            "etag": validator.etag,
+            "last_modified": validator.last_modified,
+        }
+        try:
+            client_hello(sock, secret, request)
+            answer = read_message(sock)
+        except OSError as exc:  # RelayRefused is one
+            raise RelayGone(f"relay {address[0]}:{address[1]}: {exc}") from exc
+        total, offset = answer.get("total"), answer.get("offset")
+        if "error" in answer or not isinstance(total, int) or not isinstance(offset, int):
+            raise RelayGone(f"relay {address[0]}:{address[1]}: {answer.get('error', 'a malformed answer')}")
+        if offset != partial.size or not same:
+            partial.restart()  # another version, or nothing to continue: from byte 0
+        partial.resumed = partial.resumed or offset > 0
+        partial.note_source(origin, Validator(answer.get("etag"), answer.get("last_modified")), total)
+        sock.settimeout(slice_s)
+        while partial.size < total:
+            try:
+                chunk = sock.recv(min(CHUNK, total - partial.size))
+            except TimeoutError:
+                check()
+                if not alive():
+                    raise RelayGone(f"relay {address[0]}:{address[1]}: its rank was lost") from None
+                continue
+            except OSError as exc:
+                raise RelayGone(f"relay {address[0]}:{address[1]}: {exc}") from exc
+            if not chunk:
+                raise RelayGone(f"relay {address[0]}:{address[1]}: closed after {partial.size} of {total} bytes")
+            partial.append(chunk)
+            on_bytes(len(chunk))
+            check()

@@ -1,0 +1,292 @@
+"""download_for_job over real gloo ranks, each rank (or pair of ranks) with a directory of its own as a host's disk:
+the origin (a real HTTP server on loopback) serves the file once per job, the holders relay it while it downloads,
+a relay SIGKILLed mid-transfer leaves verified copies everywhere else, an origin failure reaches every holder once.
+The relay's wire is tested in-process: a stranger without the secret gets no byte, a forged relay is refused."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks.http_server import TestHTTPServer
+from ignite_ext.data.download._http import BACKOFF_ENV
+from ignite_ext.data.download._partial import Partial
+from ignite_ext.data.download._relay_client import RelayGone, receive
+from ignite_ext.data.download._relay_server import Growing, RelayServer, Version
+from ignite_ext.data.download._relay_wire import RelayRefused, client_hello, read_message
+from tests._world import World
+
+pytestmark = pytest.mark.timeout(240)
+
+DATA = random.Random(2).randbytes(2 << 20)
+SHA = hashlib.sha256(DATA).hexdigest()
+T = 3.0  # the heartbeat timeout of the worlds here
+ENV = {BACKOFF_ENV: "0.01", "IGNITE_EXT_HEARTBEAT_TIMEOUT": str(T)}
+
+
+@pytest.fixture
+def server() -> Iterator[TestHTTPServer]:
+    # 2 MiB at 2 MiB/s: the holders after the first join while the origin still sends.
+    with TestHTTPServer(throttle_bps=2 << 20) as s:
+        yield s
+
+
+def _file_sha(root: Path, name: str) -> str | None:
+    path = root / name
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else None
+
+
+def body_fetch(url: str, base: str, per_dir: int, sha256: str | None, stagger: float) -> dict[str, Any]:
+    import ignite_ext.distributed as idist
+    from ignite_ext.data import download_for_job
+    from ignite_ext.data.download import _relaying
+
+    rank = idist.get_rank()
+    if stagger:  # holders join in rank order, so the test knows who relays to whom
+        join = _relaying.Relaying.join
+
+        def late_join(self: Any, *args: Any) -> Any:
+            time.sleep(stagger * rank)
+            return join(self, *args)
+
+        _relaying.Relaying.join = late_join  # type: ignore[method-assign]
+    root = Path(base, f"host{rank // per_dir}")
+    start = time.monotonic()
+    try:
+        path = download_for_job(url, root, sha256=sha256, progress=False)
+        return {"ok": True, "sha": hashlib.sha256(path.read_bytes()).hexdigest(), "s": time.monotonic() - start}
+    except Exception as exc:
+        return {
+            "ok": False,
+            "type": type(exc).__name__,
+            "message": str(exc),
+            "sha": _file_sha(root, "a.bin"),
+            "s": time.monotonic() - start,
+        }
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("sha256", [SHA, None], ids=["digest-given", "no-digest"])
+@pytest.mark.parametrize("per_dir", [1, 2], ids=["4-hosts", "2-hosts-of-2"])
+def test_the_origin_serves_the_file_once_per_job(
+    world: World, server: TestHTTPServer, tmp_path: Path, sha256: str | None, per_dir: int
+) -> None:
+    url = server.add("/a.bin", DATA)
+    results = world(body_fetch, url, str(tmp_path), per_dir, sha256, 0.0, env=ENV)
+    assert [r["ok"] for r in results] == [True] * 4, results
+    assert {r["sha"] for r in results} == {SHA}
+    assert server.bytes_served("/a.bin") == len(DATA)  # 1.00x the file, for 4 / per_dir directories
+    assert len(server.requests("/a.bin")) == 1
+    for d in range(4 // per_dir):
+        assert _file_sha(tmp_path / f"host{d}", "a.bin") == SHA
+        leftovers = [p.name for p in (tmp_path / f"host{d}").iterdir() if p.name.endswith((".tmp", ".part"))]
+        assert not leftovers, leftovers
+
+
+def body_relay_dies(url: str, base: str, victim: int, how: str) -> dict[str, Any]:
+    import ignite_ext.distributed as idist
+    from ignite_ext.data.download import _relay_server
+
+    if idist.get_rank() == victim:
+        send = _relay_server.RelayServer._send
+
+        def send_then_die(self: Any, conn: Any, offset: int, count: int) -> int:
+            sent = send(self, conn, offset, count)
+            if self.served_bytes + sent >= len(DATA) // 4:  # struck while it relays, a quarter of the file on
+                if how == "stopped":  # silent, as a host cut off: continued 3 T later, declared dead by then
+                    subprocess.Popen(["sh", "-c", f"sleep {3 * T}; kill -CONT {os.getpid()}"])
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                else:
+                    os.kill(os.getpid(), signal.SIGKILL)
+            return sent
+
+        _relay_server.RelayServer._send = send_then_die  # type: ignore[method-assign]
+    result = body_fetch(url, base, 1, None, 0.3)
+    if how == "stopped" and idist.get_rank() != victim:
+        time.sleep(4 * T)  # the store (in rank 0) stays until the victim, continued, has learnt its fate
+    return result
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("how", ["killed", "stopped"])
+def test_a_relay_lost_mid_transfer_leaves_verified_copies_everywhere_else(
+    world: World, server: TestHTTPServer, tmp_path: Path, how: str
+) -> None:
+    # Holders join in rank order: rank 1 relays from rank 0 to rank 2, and is struck while it does. Killed, its
+    # connections close at once; stopped, they fall silent, and rank 2 gives it up when the detector declares
+    # rank 1 lost (4/3 T).
+    url = server.add("/a.bin", DATA)
+    start = time.monotonic()
+    results = world.results(body_relay_dies, url, str(tmp_path), 1, how, env=ENV, deadline=120)
+    survivors = {r: results[r].value for r in (0, 2, 3)}
+    for r, value in survivors.items():
+        assert value["sha"] == SHA, (r, value)  # every surviving directory has the verified file
+        if not value["ok"]:  # then only because the job lost rank 1, as in any scheduled block
+            assert value["type"] == "RankFailedError" and "[1]" in value["message"], value
+    # Rank 2 resumed from rank 0 where rank 1 stopped: the origin still sent the file once.
+    assert server.bytes_served("/a.bin") == len(DATA)
+    if how == "stopped":
+        assert results[1].ok and results[1].value["type"] == "RankDiedError", results[1]  # it learnt its fate
+        # Detection (4/3 T) and the second half of the transfer (0.5 s at the origin's rate): within 2 T of the
+        # stop, 2 T of margin for a loaded machine and the world's start.
+        assert max(v["s"] for v in survivors.values()) < 4 * T + 1.0, survivors
+    else:
+        assert not results[1].ok  # killed: no result
+    assert time.monotonic() - start < 60
+
+
+def body_origin_fails(url: str, base: str) -> dict[str, Any]:
+    return body_fetch(url, base, 1, None, 0.0)
+
+
+@pytest.mark.distributed
+def test_an_origin_failure_reaches_every_holder_once(world: World, server: TestHTTPServer, tmp_path: Path) -> None:
+    url = server.add("/a.bin", DATA)
+    server.fault("/a.bin", status=404)
+    results = world(body_origin_fails, url, str(tmp_path), env=ENV)
+    assert all(not r["ok"] for r in results), results
+    assert {r["type"] for r in results} == {"DownloadError"}, results
+    assert len({r["message"] for r in results}) == 1, results  # the same error, word for word
+    assert len(server.requests("/a.bin")) == 1  # a 404 is not retried, and nobody else asked the origin
+
+
+def body_differing_arguments(url: str, base: str) -> dict[str, Any]:
+    import ignite_ext.distributed as idist
+    from ignite_ext.data import download_for_job
+
+    rank = idist.get_rank()
+    try:
+        download_for_job(url, Path(base, f"host{rank}"), retries=rank, progress=False)
+    except ValueError as exc:
+        return {"error": str(exc)}
+    return {"error": None}
+
+
+@pytest.mark.distributed
+def test_arguments_that_differ_between_ranks_are_an_error_on_every_rank(
+    world: World, server: TestHTTPServer, tmp_path: Path
+) -> None:
+    url = server.add("/a.bin", DATA)
+    results = world(body_differing_arguments, url, str(tmp_path), env=ENV)
+    assert all(r["error"] is not None and "different arguments" in r["error"] for r in results), results
+    assert server.counts()["/a.bin"] == 0
+
+
+# ------------------------------------------------------------------------------------------- the wire, in-process
+
+
+@pytest.fixture
+def relay() -> Iterator[tuple[RelayServer, bytes]]:
+    with tempfile.TemporaryFile() as f:
+        f.write(DATA)
+        f.flush()
+        growing = Growing()
+        growing.start(Version(len(DATA), '"v1"', None), f.fileno(), len(DATA))
+        growing.end()
+        secret = os.urandom(32)
+        server = RelayServer(growing, secret, "file-1", "127.0.0.1", io_timeout=5.0)
+        try:
+            yield server, secret
+        finally:
+            server.stop()
+
+
+def test_a_client_without_the_secret_gets_no_byte(relay: tuple[RelayServer, bytes]) -> None:
+    server, _ = relay
+    # The server's proof fails on a wrong secret: the client refuses it.
+    with (
+        socket.create_connection(server.address, timeout=5) as sock,
+        pytest.raises(RelayRefused, match="did not prove"),
+    ):
+        client_hello(sock, b"not the secret", {"file": "file-1", "offset": 0})
+    # A client that skips checking the server and sends a forged proof gets the connection closed, nothing else.
+    with socket.create_connection(server.address, timeout=5) as sock:
+        sock.sendall(os.urandom(16))
+        sock.recv(16 + 32)
+        sock.sendall(os.urandom(32) + (2).to_bytes(4, "big") + b"{}")
+        assert sock.recv(1 << 16) == b""
+    assert server.served_bytes == 0 and server.refused == 1
+
+
+def test_only_the_one_file_is_served(relay: tuple[RelayServer, bytes]) -> None:
+    server, secret = relay
+    with socket.create_connection(server.address, timeout=5) as sock:
+        client_hello(sock, secret, {"file": "../../etc/passwd", "offset": 0})
+        assert read_message(sock) == {"error": "no such file"}
+        assert sock.recv(1) == b""
+    with socket.create_connection(server.address, timeout=5) as sock:
+        client_hello(sock, secret, {"file": "file-1", "offset": 100, "etag": '"v1"', "last_modified": None})
+        assert read_message(sock)["offset"] == 100  # the same version: from the byte asked
+        received = b""
+        while chunk := sock.recv(1 << 16):
+            received += chunk
+        assert received == DATA[100:]
+
+
+def _partial(tmp_path: Path) -> Partial:
+    path = tmp_path / ".a.bin.tmp"
+    path.touch()
+    return Partial(path, set(), "a.bin")
+
+
+def test_a_relay_that_does_not_hold_the_secret_is_refused(relay: tuple[RelayServer, bytes], tmp_path: Path) -> None:
+    server, _ = relay
+    partial = _partial(tmp_path)
+    with pytest.raises(RelayGone, match="did not prove"):
+        receive(server.address, b"another job", "file-1", partial, "http://origin/a.bin", alive=lambda: True, slice_s=1)
+    assert partial.size == 0
+
+
+def test_a_relay_of_another_version_starts_the_file_over(relay: tuple[RelayServer, bytes], tmp_path: Path) -> None:
+    server, secret = relay
+    partial = _partial(tmp_path)
+    partial.append(b"x" * 1000)  # bytes of a version this relay does not serve
+    from ignite_ext.data.download._http import Validator
+
+    partial.note_source("http://origin/a.bin", Validator(etag='"v0"'), len(DATA))
+    receive(server.address, secret, "file-1", partial, "http://origin/a.bin", alive=lambda: True, slice_s=1)
+    assert partial.size == len(DATA) and partial.digests()["sha256"] == SHA  # not spliced onto the old bytes
+
+
+def test_relaying_a_file_never_disturbs_its_writer(tmp_path: Path) -> None:
+    # The relay reads the writer's file through a duplicate of its descriptor: anything that moved the shared file
+    # offset (a file object's seek) would make the writer's next write land in the middle of the file.
+    from ignite_ext.data.download._http import Validator
+
+    source = _partial(tmp_path)
+    growing = Growing()
+    source.observer = growing
+    source.note_source("http://origin/a.bin", Validator(etag='"v1"'), len(DATA))
+    secret = os.urandom(32)
+    server = RelayServer(growing, secret, "file-1", "127.0.0.1", io_timeout=5.0)
+    (tmp_path / "r").mkdir()
+    target = _partial(tmp_path / "r")
+    try:
+        reader = threading.Thread(
+            target=receive,
+            args=(server.address, secret, "file-1", target, "http://origin/a.bin"),
+            kwargs={"alive": lambda: True, "slice_s": 1.0},
+        )
+        reader.start()
+        for i in range(0, len(DATA), 4096):  # as the origin's bytes come, a relay streaming them meanwhile
+            source.append(DATA[i : i + 4096])
+            if i % (64 << 10) == 0:
+                time.sleep(0.001)
+        reader.join(30)
+        assert not reader.is_alive()
+    finally:
+        server.stop()
+    assert source.path.read_bytes() == DATA  # the writer's file is intact
+    assert target.path.read_bytes() == DATA and target.digests()["sha256"] == SHA
