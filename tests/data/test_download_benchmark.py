@@ -38,3 +38,22 @@ def test_ranges_benchmark_contract(monkeypatch: pytest.MonkeyPatch) -> None:
     assert {result["plot"]["x"], *result["plot"]["y"]} <= set(result["rows"][0])
     assert rows["ignite_ext x1"]["speed-up vs 1 connection"] == 1.0
     assert "torch.hub" in rows  # every peer verified what it fetched (the run asserts it)
+
+
+@pytest.mark.distributed
+def test_relay_benchmark_contract_and_origin_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchmarks import bench_relay
+
+    monkeypatch.setitem(bench_relay.SIZES, "quick", (2, 4.0, 1))
+    result = bench_relay.run(quick=True)
+    assert bench_relay.NAME == "relay"
+    assert {"title", "machine", "rows", "summary"} <= set(result)
+    rows = {r["label"]: r for r in result["rows"]}
+    # The origin's own count: once per job relayed, once per host otherwise (the timing is the benchmark's).
+    assert rows["3 hosts, relayed"]["origin bytes / file"] == 1.0
+    assert rows["3 hosts, each host"]["origin bytes / file"] == 3.0
+    assert rows["3 hosts, alone"]["origin bytes / file"] == 1.0
+    assert (
+        rows["64 hosts, relay chain, simulated (s)"]["last copy (s)"]
+        == rows["64 hosts, relay chain, formula (s)"]["last copy (s)"]
+    )
