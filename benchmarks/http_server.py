@@ -91,7 +91,9 @@ class TestHTTPServer:
 
     __test__ = False  # not a test class, despite the name
 
-    def __init__(self, throttle_bps: float | None = None, conn_bps: float | None = None) -> None:
+    def __init__(
+        self, throttle_bps: float | None = None, conn_bps: float | None = None, host: str = "127.0.0.1"
+    ) -> None:
         self.state = _State(throttle_bps=throttle_bps, conn_bps=conn_bps)
         state = self.state
 
@@ -99,7 +101,7 @@ class TestHTTPServer:
             pass
 
         Handler.state = state
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._httpd = ThreadingHTTPServer((host, 0), Handler)
         self._httpd.daemon_threads = True
         self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
         self._thread.start()

@@ -26,6 +26,7 @@ from ignite_ext.data.download._partial import Partial
 from ignite_ext.data.download._relay_client import RelayGone, receive
 from ignite_ext.data.download._relay_server import Growing, RelayServer, Version
 from ignite_ext.data.download._relay_wire import RelayRefused, client_hello, read_message
+from tests._staggered import join_in_order
 from tests._world import World
 
 pytestmark = pytest.mark.timeout(240)
@@ -51,17 +52,10 @@ def _file_sha(root: Path, name: str) -> str | None:
 def body_fetch(url: str, base: str, per_dir: int, sha256: str | None, stagger: float) -> dict[str, Any]:
     import ignite_ext.distributed as idist
     from ignite_ext.data import download_for_job
-    from ignite_ext.data.download import _relaying
 
     rank = idist.get_rank()
     if stagger:  # holders join in rank order, so the test knows who relays to whom
-        join = _relaying.Relaying.join
-
-        def late_join(self: Any, *args: Any) -> Any:
-            time.sleep(stagger * rank)
-            return join(self, *args)
-
-        _relaying.Relaying.join = late_join  # type: ignore[method-assign]
+        join_in_order(rank, stagger)
     root = Path(base, f"host{rank // per_dir}")
     start = time.monotonic()
     try:

@@ -19,12 +19,13 @@ import torch
 from torch.utils.data import Dataset
 
 import ignite_ext.distributed as idist
-from ignite_ext.data import CachedDataset, ShardedDistributedSampler, download_url
+from ignite_ext.data import CachedDataset, ShardedDistributedSampler, download_for_job, download_url
+from tests._staggered import join_in_order
 from tests.backends._bodies import identity
 from tests.distributed.torchrun_body import scenario, scenarios
 from tests.hosts._rank import mark, out_dir
 
-__all__ = ["census", "wait_on"]
+__all__ = ["census", "fetch_for_job", "wait_on"]
 
 HOST_LOCAL = Path("/tmp/ignite_ext_bed")  # the same path on every host, a directory of each host's own
 
@@ -153,3 +154,22 @@ def over_remote(root: str, url: str, sha256: str) -> dict[str, Any]:
         ),
         "download": _download(url, path / "dl", sha256),
     }
+
+
+def fetch_for_job(url: str, sha256: str | None, stagger: float) -> dict[str, Any]:
+    """``download_for_job`` into the host's own ``/tmp``; holders join in host order when ``stagger`` is set.
+
+    Marks ``joined`` once this rank is in the chain; returns whether it got a copy, and that copy's SHA-256 (also
+    when the job raised because another host was lost).
+    """
+    if stagger:
+        join_in_order(idist.get_node_rank(), stagger, then=lambda: mark("joined"))
+    root = HOST_LOCAL / "relayed"
+    mark("entering")
+    try:
+        path = download_for_job(url, root, sha256=sha256, progress=False)
+        return {"ok": True, "sha": hashlib.sha256(path.read_bytes()).hexdigest(), "done": time.monotonic()}
+    except Exception as exc:
+        copy = root / "data.bin"
+        sha = hashlib.sha256(copy.read_bytes()).hexdigest() if copy.exists() else None
+        return {"ok": False, "type": type(exc).__name__, "message": str(exc), "sha": sha, "done": time.monotonic()}

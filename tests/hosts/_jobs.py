@@ -23,7 +23,7 @@ from typing import Any
 
 from tests._hosts import Host, HostBed
 
-__all__ = ["OUT_ENV", "PG_TIMEOUT_ENV", "Job", "Server", "serve", "torchrun"]
+__all__ = ["OUT_ENV", "PG_TIMEOUT_ENV", "Job", "Origin", "Server", "origin", "serve", "torchrun"]
 
 OUT_ENV = "IGNITE_EXT_HOSTS_OUT"  # where a rank writes its record and marks, as its host sees it
 PG_TIMEOUT_ENV = "IGNITE_EXT_HOSTS_PG_TIMEOUT"  # the process group's timeout, in seconds
@@ -55,6 +55,51 @@ def serve(bed: HostBed, host: Host, directory: Path, port: int = 8000) -> Server
             raise RuntimeError(f"the HTTP server on {host.name} did not start: {server.log.read_text()}")
         time.sleep(0.05)
     return server
+
+
+@dataclass
+class Origin:
+    """``tests.hosts._origin`` on a host: the fault-injecting server, its URL, and what it has sent."""
+
+    url: str
+    out: Path  # as this namespace sees it
+    proc: subprocess.Popen[bytes]
+
+    def record(self) -> dict[str, Any]:
+        """``{"bytes": body bytes sent, "requests": [[range, status, sent], ...]}``, as of 0.1 s ago at most."""
+        time.sleep(0.25)  # the server writes its record every 0.1 s
+        return dict(json.loads((self.out / "origin.json").read_text()))
+
+
+def origin(bed: HostBed, host: Host, data: bytes, rate_bps: int | None = None) -> Origin:
+    """Serve ``data`` from ``host`` at ``/data.bin``; with ``rate_bps``, its link's egress is shaped to that rate.
+
+    The shaping is the host's own ``tc`` token bucket on its ``eth0``: the origin's link is the bottleneck, not
+    the server's pacing, as for an origin behind a slow uplink.
+    """
+    out = bed.shared / f"origin{host.index}"
+    out.mkdir()
+    (out / "data.bin").write_bytes(data)
+    if rate_bps is not None:
+        rate = f"{rate_bps * 8 // 1000}kbit"
+        host.run(["tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", rate, "burst", "32kb", "latency", "1s"])
+    argv = [
+        sys.executable,
+        "-m",
+        "tests.hosts._origin",
+        host.ip,
+        str(host.sees(out / "data.bin", bed)),
+        str(host.sees(out, bed)),
+    ]
+    proc = bed.start(host, argv, bed.env(), f"origin{host.index}.log")
+    end = time.monotonic() + _START_TIMEOUT
+    while not (out / "origin.url").exists():
+        if proc.poll() is not None or time.monotonic() > end:
+            raise RuntimeError(
+                f"the origin on {host.name} did not start: {(bed.logs / f'origin{host.index}.log').read_text()}"
+            )
+        time.sleep(0.05)
+    return Origin((out / "origin.url").read_text(), out, proc)
 
 
 @dataclass
@@ -138,20 +183,25 @@ def torchrun(
     nproc_per_node: int = 2,
     env: dict[str, str] | None = None,
     pg_timeout: float = 60.0,
+    hosts: Sequence[int] | None = None,
 ) -> Job:
-    """Run ``target`` (``"module:function"``) with the JSON-able ``args`` on every rank, one torchrun per host."""
+    """Run ``target`` (``"module:function"``) with the JSON-able ``args`` on every rank, one torchrun per host.
+
+    ``hosts``: the indices of the bed's hosts that run the job (all by default); the first serves its store.
+    """
+    members = [bed.hosts[k] for k in (range(len(bed.hosts)) if hosts is None else hosts)]
     out = bed.shared / f"job{bed.jobs}"
     out.mkdir()
     port = str(29500 + bed.jobs)  # every host's network is its own: no port of this machine can be taken
     bed.jobs += 1
     procs, logs = [], []
-    for host in bed.hosts:
+    for node, host in enumerate(members):
         argv = [
-            *(sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(bed.hosts)}", f"--node_rank={host.index}"),
-            *(f"--nproc_per_node={nproc_per_node}", f"--master_addr={bed.hosts[0].ip}", f"--master_port={port}"),
+            *(sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(members)}", f"--node_rank={node}"),
+            *(f"--nproc_per_node={nproc_per_node}", f"--master_addr={members[0].ip}", f"--master_port={port}"),
             *("-m", "tests.hosts._rank", target, json.dumps(list(args))),
         ]
         host_env = bed.env(**{OUT_ENV: str(host.sees(out, bed)), PG_TIMEOUT_ENV: str(pg_timeout), **(env or {})})
         logs.append(bed.logs / f"{out.name}.host{host.index}.log")
         procs.append(bed.start(host, argv, host_env, logs[-1].name))
-    return Job(bed, out, procs, logs, len(bed.hosts) * nproc_per_node)
+    return Job(bed, out, procs, logs, len(members) * nproc_per_node)
