@@ -55,9 +55,9 @@ from benchmarks._report import print_result
 NAME = "cache_peers"
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("in-memory", "CachedDataset", "LitData", "Mosaic")
-#: (sample bytes, samples) for the full run and ``quick=True``: 256 MiB of samples per size in the full run.
+#: (sample bytes, samples) for the full run and ``quick=True``: 512 MiB of samples per size in the full run.
 SIZES: dict[str, tuple[tuple[int, int], ...]] = {
-    "full": ((64 << 10, 4096), (1 << 20, 256)),
+    "full": ((64 << 10, 8192), (1 << 20, 512)),
     "quick": ((64 << 10, 512), (1 << 20, 32)),
 }
 #: Epochs of the throughput phase (epoch 0, then the measured rounds).
@@ -261,7 +261,9 @@ def _paired(rates: dict[str, list[float]], variant: str, peer: str) -> float:
     return statistics.median(a / b for a, b in zip(rates[variant], rates[peer], strict=True))
 
 
-def _rows(sample_bytes: int, ranks: int, measured: dict[str, Any], alone: dict[str, Any]) -> list[dict[str, Any]]:
+def _rows(
+    sample_bytes: int, n: int, ranks: int, measured: dict[str, Any], alone: dict[str, Any]
+) -> list[dict[str, Any]]:
     label = f"{sample_bytes >> 10} KiB" if sample_bytes < _MiB else f"{sample_bytes // _MiB} MiB"
     base = alone["in-memory"]
     rates, cpu = measured["rates"], measured["cpu_per_sample"]
@@ -286,6 +288,8 @@ def _rows(sample_bytes: int, ranks: int, measured: dict[str, Any], alone: dict[s
                 "PSS_MiB": round(mine["memory"]["pss"] / _MiB),
                 "page_cache_MiB": round(mine["memory"]["page_cache"] / _MiB),
                 "workers_MiB": round(mine["memory"]["workers"] / _MiB),
+                # What the processes hold beyond one copy of the samples (one rank: every variant holds one).
+                "beyond_data_MiB": round((mine["memory"]["total"] - n * sample_bytes) / _MiB) if ranks == 1 else "",
                 "in_place_write": mine["inplace"],
             }
         )
@@ -306,15 +310,18 @@ def _summary(rows: list[dict[str, Any]]) -> str:
             f"{mosaic['first_epoch_vs_in_memory']:.2f}; RAM vs in-memory ({group['in-memory']['RAM_MiB']} MiB) "
             f"{ours['RAM_vs_in_memory']:.2f} / {lit['RAM_vs_in_memory']:.2f} / {mosaic['RAM_vs_in_memory']:.2f}"
         )
-    goals = all(
-        g["CachedDataset"]["vs_in_memory"] >= 0.97 and g["CachedDataset"]["vs_LitData"] > 1.0
-        for (_, ranks), g in _by_case(rows).items()
-        if ranks == 1
+    one_rank = [(sample, g) for (sample, ranks), g in _by_case(rows).items() if ranks == 1]
+    ahead = all(g["CachedDataset"]["vs_LitData"] > 1.0 for _, g in one_rank)
+    ram = all(g["CachedDataset"]["RAM_vs_in_memory"] <= 1.05 for _, g in one_rank)
+    beyond = "; ".join(
+        f"{sample}: CachedDataset {g['CachedDataset']['beyond_data_MiB']} MiB (workers "
+        f"{g['CachedDataset']['workers_MiB']}), in-memory {g['in-memory']['beyond_data_MiB']} MiB (workers "
+        f"{g['in-memory']['workers_MiB']}), LitData {g['LitData']['beyond_data_MiB']} MiB"
+        for sample, g in one_rank
     )
-    ram = all(g["CachedDataset"]["RAM_vs_in_memory"] <= 1.05 for (_, ranks), g in _by_case(rows).items() if ranks == 1)
     verdict = (
-        f"Goals on one rank: >= 0.97x in-memory and ahead of LitData at both sizes {'met' if goals else 'NOT met'}; "
-        f"RAM <= 1.05x in-memory {'met' if ram else 'NOT met'}"
+        f"Goals on one rank: ahead of LitData at both sizes {'met' if ahead else 'NOT met'}; RAM <= 1.05x "
+        f"in-memory {'met' if ram else 'NOT met'}. Beyond the data, on one rank: {beyond}"
     )
     return ". ".join([*parts, verdict]) + "."
 
@@ -345,7 +352,7 @@ def run(quick: bool = False, python: str | None = None) -> dict[str, Any]:
             for ranks in RANKS:
                 rates = _throughput(python, source, n, sample_bytes // 4, ranks, EPOCHS[kind], tmp)
                 alone = {v: _alone(python, v, source, n, sample_bytes // 4, ranks, tmp) for v in VARIANTS}
-                rows += _rows(sample_bytes, ranks, rates, alone)
+                rows += _rows(sample_bytes, n, ranks, rates, alone)
             shutil.rmtree(source)
     versions = subprocess.run(
         [

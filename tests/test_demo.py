@@ -20,7 +20,7 @@ TIMEOUT_S = 240.0
 @pytest.mark.multinode
 @pytest.mark.slow
 @pytest.mark.timeout(TIMEOUT_S + 30)
-def test_demo_fetches_once_per_node_and_hits_the_cache_from_epoch_two() -> None:
+def test_demo_fetches_once_per_job_and_hits_the_cache_from_epoch_two() -> None:
     proc = subprocess.Popen(
         [
             # With progress bars asked for: stdout and stderr are pipes here, as in a job log, so none may be drawn.
@@ -49,7 +49,7 @@ def test_demo_fetches_once_per_node_and_hits_the_cache_from_epoch_two() -> None:
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{out}\nstderr:\n{err[-3000:]}"
 
     assert "== ignite_ext demo: 4 ranks on 2 nodes, 2 epochs ==" in out, out
-    assert re.search(r"server sent [\d.]+ MB \(2\.00 archives; fetched by ranks \[0, 2\]", out), out
+    assert re.search(r"server sent [\d.]+ MB: 1\.00 archive for 2 nodes", out), out
     rows = re.findall(r"^\s*(\d+) \|\s+[\d.]+ \|\s+(\d+)% \|\s+(\d+) \|", out, re.M)
     assert [(epoch, rate) for epoch, rate, _ in rows] == [("1", "0"), ("2", "100")], out
     assert rows[0][2] == "400" and rows[1][2] == "0", out

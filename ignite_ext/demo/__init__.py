@@ -2,7 +2,8 @@
 
 Offline by default: it makes a small image-classification archive, serves it on 127.0.0.1, and launches the
 ranks as simulated nodes with ``idist.Parallel`` (one launcher process per node, each with its own node-local
-data directory). The ranks fetch the archive once per node directory (``SharedPath`` + ``download_url``), train a
+data directory). The ranks fetch the archive once for the whole job (``download_for_job``: one rank per node
+directory makes its copy, the server sending it once and the copies relayed node to node), train a
 small CNN with ignite's ``Engine`` on ``ShardedDistributedSampler`` + ``CachedDataset`` (decoded images cached, a
 random flip applied after the cache), print per-rank summaries one at a time (``Ordered``: samples read by the rank,
 how many from the cache and how many from storage), and the demo ends with a table of bytes fetched, cache hit
@@ -124,16 +125,16 @@ def _mb(n: float) -> str:
 
 def _report(args: argparse.Namespace, result: dict[str, Any], archive_bytes: int, served: int | None) -> None:
     world = result["world_size"]
-    fetchers = result["fetchers"]
     print(f"\n== ignite_ext demo: {world} ranks on {result['nnodes']} nodes, {len(result['history'])} epochs ==")
     if served is not None:
         print(
-            f"download : archive {_mb(archive_bytes)}, server sent {_mb(served)} "
-            f"({served / archive_bytes:.2f} archives; fetched by ranks {fetchers}, one per node directory)"
+            f"download : archive {_mb(archive_bytes)}, server sent {_mb(served)}: {served / archive_bytes:.2f} "
+            f"archive for {result['nnodes']} nodes (download_for_job: one fetch per job, the node directories' "
+            "copies relayed node to node)"
         )
         print(
-            f"           per-rank downloads would send {_mb(world * archive_bytes)} ({world} archives): "
-            f"{world * archive_bytes / max(served, 1):.1f}x more"
+            f"           per-rank downloads would send {_mb(world * archive_bytes)} ({world} archives), one per "
+            f"node {_mb(result['nnodes'] * archive_bytes)}"
         )
     print("epoch | seconds | cache hit rate | storage reads | loss")
     for h in result["history"]:

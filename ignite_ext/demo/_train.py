@@ -14,7 +14,7 @@ from ignite.metrics import Accuracy
 from torch import nn
 
 import ignite_ext.distributed as idist
-from ignite_ext.data import CachedDataset, CacheStatsHandler, ShardedDistributedSampler, download_url
+from ignite_ext.data import CachedDataset, CacheStatsHandler, ShardedDistributedSampler, download_for_job
 from ignite_ext.demo.data import NUM_CLASSES, ShapesDataset, random_flip
 
 __all__ = ["DemoConfig", "training"]
@@ -60,13 +60,13 @@ def _model() -> nn.Module:
     )
 
 
-def _fetch(cfg: DemoConfig) -> tuple[Path, bool, float]:
+def _fetch(cfg: DemoConfig) -> tuple[Path, float]:
     root = Path(cfg.node_roots[idist.get_node_rank() % len(cfg.node_roots)])
     start = time.perf_counter()
-    with idist.rank_scheduler(order=idist.SharedPath(root)) as turn:
-        # Leaders fetch; the others then find the verified, extracted copy and fetch nothing.
-        data = download_url(cfg.url, root, sha256=cfg.sha256, extract=True, progress=cfg.progress and bool(turn))
-    return data, bool(turn), time.perf_counter() - start
+    # One rank per node directory makes its copy, the archive coming from the server once for the whole job and
+    # relayed node to node; the others find their directory's verified, extracted copy.
+    data = download_for_job(cfg.url, root, sha256=cfg.sha256, extract=True, progress=cfg.progress)
+    return data, time.perf_counter() - start
 
 
 def _record_epochs(trainer: Engine, history: list[dict[str, float]]) -> None:
@@ -97,7 +97,7 @@ def training(local_rank: int, cfg: DemoConfig) -> None:
     """
     torch.manual_seed(0)
     rank, node = idist.get_rank(), idist.get_node_rank()
-    data, fetched, fetch_seconds = _fetch(cfg)
+    data, fetch_seconds = _fetch(cfg)
 
     # Decoded images are cached; the random flip runs in the DataLoader workers on every read.
     train_set = CachedDataset(ShapesDataset(data, "train"), scope="node", transform=random_flip)
@@ -132,19 +132,16 @@ def training(local_rank: int, cfg: DemoConfig) -> None:
     rates = " ".join(f"{h['hit_rate']:.0%}" for h in history)
     with idist.rank_scheduler(order=idist.Ordered()):
         print(
-            f"[rank {rank} | node {node}] fetched: {'yes' if fetched else 'no '} ({fetch_seconds:.2f} s)  "
+            f"[rank {rank} | node {node}] data ready in {fetch_seconds:.2f} s  "
             f"shard: {len(sampler)} samples  samples read by this rank: {own.hits + own.misses} "
             f"({own.hits} from the cache, {own.misses} from storage; {own.entries} stored)  "
             f"hit rate by epoch: {rates}",
             flush=True,
         )
-    fetched_by = idist.all_gather(torch.tensor([int(fetched)]))
-    assert isinstance(fetched_by, torch.Tensor)
     if rank == 0:
         result: dict[str, Any] = {
             "history": history,
             "accuracy": accuracy,
-            "fetchers": [r for r, f in enumerate(fetched_by.tolist()) if f],
             "world_size": idist.get_world_size(),
             "nnodes": idist.get_nnodes(),
             "train_samples": len(train_set),

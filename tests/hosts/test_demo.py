@@ -22,7 +22,7 @@ SAMPLES, EPOCHS, DEADLINE = 160, 2, 180.0
 NODE_ROOT = "/tmp/ignite_ext_demo/data"  # one path, a directory of each host's own
 
 
-def test_the_demo_fetches_once_per_host_and_reads_each_sample_once_per_host(bed2: HostBed) -> None:
+def test_the_demo_fetches_once_per_job_and_reads_each_sample_once_per_host(bed2: HostBed) -> None:
     bed = bed2
     archive = make_archive(bed.shared / "served", train=SAMPLES, val=40)
     server = serve(bed, bed.hosts[0], archive.parent)
@@ -46,9 +46,8 @@ def test_the_demo_fetches_once_per_host_and_reads_each_sample_once_per_host(bed2
 
     result = json.loads(out.read_text())
     assert (result["world_size"], result["nnodes"], result["train_samples"]) == (PER_HOST * 2, 2, SAMPLES)
-    assert result["fetchers"] == [0, PER_HOST], "one rank per host fetched: the leader of its node directory"
     fetched = [ip for ip, method, path, status in server.requests() if method == "GET" and status == 200]
-    assert sorted(fetched) == [h.ip for h in bed.hosts], server.requests()
+    assert len(fetched) == 1 and fetched[0] in [h.ip for h in bed.hosts], server.requests()  # once for the job
     history = result["history"]
     assert [h["hit_rate"] for h in history] == [0.0, 1.0]
     assert [int(h["storage_reads"]) for h in history] == [SAMPLES, 0], "each host read its shard once"
