@@ -284,3 +284,58 @@ def test_relaying_a_file_never_disturbs_its_writer(tmp_path: Path) -> None:
         server.stop()
     assert source.path.read_bytes() == DATA  # the writer's file is intact
     assert target.path.read_bytes() == DATA and target.digests()["sha256"] == SHA
+
+
+def body_archive(url: str, mirror: str, base: str) -> dict[str, Any]:
+    import ignite_ext.distributed as idist
+    from ignite_ext.data import download_for_job
+
+    root = Path(base, f"host{idist.get_rank()}")
+    out = download_for_job(url, root, "big.tar", mirrors=[mirror], connections=4, extract=True, progress=False)
+    return {"dir": str(out), "sha": hashlib.sha256((out / "big.bin").read_bytes()).hexdigest()}
+
+
+@pytest.mark.distributed
+def test_mirrors_parallel_ranges_and_extraction_keep_working(world: World, tmp_path: Path) -> None:
+    # The first URL is gone (404), the mirror serves a 9 MiB archive: the origin's holder fetches it over parallel
+    # ranges (a relay serves the bytes held from the start, as the ranges fill in), every host extracts its copy.
+    import io
+    import tarfile
+
+    payload = random.Random(4).randbytes(9 << 20)
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        info = tarfile.TarInfo("big.bin")
+        info.size = len(payload)
+        tar.addfile(info, io.BytesIO(payload))
+    archive = buffer.getvalue()
+    with TestHTTPServer(throttle_bps=8 << 20) as server:
+        mirror = server.add("/big.tar", archive)
+        results = world(body_archive, server.url("/gone/big.tar"), mirror, str(tmp_path), env=ENV)
+        assert {r["sha"] for r in results} == {hashlib.sha256(payload).hexdigest()}
+        assert len({r["dir"] for r in results}) == 4  # each host's own extraction
+        # Once, over several ranges: the first request's body is cut where the first range ends, and what the
+        # server had written into the socket by then counts too (a few TCP buffers), as for any parallel fetch.
+        assert len(archive) <= server.bytes_served("/big.tar") < 1.01 * len(archive), server.requests("/big.tar")
+        assert len(server.requests("/big.tar")) > 1
+        assert len(server.requests("/gone/big.tar")) == 1  # only the origin's holder asked the dead URL
+
+
+def body_deadline(url: str, base: str) -> dict[str, Any]:
+    import ignite_ext.distributed as idist
+    from ignite_ext.data import download_for_job
+
+    try:
+        download_for_job(url, Path(base, f"host{idist.get_rank()}"), deadline=0.3, progress=False)
+    except Exception as exc:
+        return {"type": type(exc).__name__, "message": str(exc)}
+    return {"type": None}
+
+
+@pytest.mark.distributed
+def test_a_deadline_bounds_every_holder(world: World, server: TestHTTPServer, tmp_path: Path) -> None:
+    url = server.add("/a.bin", DATA)  # 1 s at the origin's rate: past the deadline for everyone
+    results = world(body_deadline, url, str(tmp_path), env=ENV)
+    # DeadlinePassed is the DownloadError that download_url raises for a deadline; the other holders raise it too.
+    assert all(r["type"] in ("DeadlinePassed", "DownloadError") for r in results), results
+    assert all("deadline" in r["message"] for r in results), results
