@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import sys
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import ignite.distributed as idist
@@ -24,11 +26,56 @@ from ignite_ext.distributed.policies import MasterFirst, Ordered, Plan, Policy, 
 from ignite_ext.distributed.shared_path import SharedPath
 from ignite_ext.errors import CollectiveError, RankFailedError, RankFailure
 
-__all__ = ["one_rank_first", "rank_scheduler"]
+__all__ = ["at_block_end", "one_rank_first", "rank_scheduler"]
 
 _MAX_MESSAGE = 2000
 # The package's own policies plan from the agreed world alone: the same on every rank by construction.
 _BUILTIN = (MasterFirst, Ordered, SharedPath)
+# Per thread: for each scheduled block it is in (outermost first), what to call once this rank has left it.
+_ENDS = threading.local()
+
+
+def at_block_end(callback: Callable[[], None]) -> bool:
+    """Call ``callback`` once this thread has left the scheduled block it runs in; False (no call) outside one.
+
+    Leaving a block that did not fail means every rank has finished it (the exit waits for all), so what the
+    block's ranks may still need from this one (a server of this process, say) can stay up until then. Inside
+    nested blocks, the outermost one counts. An exception of ``callback`` is logged, not raised.
+
+    Examples:
+        >>> import ignite_ext.distributed as idist
+        >>> with idist.one_rank_first():
+        ...     idist.at_block_end(lambda: print("every rank has left"))
+        ...     print("in the block")
+        True
+        in the block
+        every rank has left
+        >>> idist.at_block_end(print)
+        False
+
+    .. versionadded:: 0.3.0
+    """
+    stack: list[list[Callable[[], None]]] = getattr(_ENDS, "stack", [])
+    if not stack:
+        return False
+    stack[0].append(callback)
+    return True
+
+
+@contextmanager
+def _calling_at_end() -> Iterator[None]:
+    stack: list[list[Callable[[], None]]] = _ENDS.__dict__.setdefault("stack", [])
+    ends: list[Callable[[], None]] = []
+    stack.append(ends)
+    try:
+        yield
+    finally:
+        stack.pop()
+        for callback in ends:
+            try:
+                callback()
+            except Exception:
+                logging.getLogger("ignite_ext.distributed").exception("a callback at the end of a block failed")
 
 
 def _describe(order: object) -> str:
@@ -224,13 +271,13 @@ def rank_scheduler(order: Policy | None = None, *, timeout: float | None = None)
     if world_size == 1:
         world = _agree_on_entry(make_channel(None, state, rank, 1, label, None, -1), order, timeout, site)
         assert isinstance(order, Policy)
-        with state.inside(world):
+        with _calling_at_end(), state.inside(world):
             yield order.plan(world, IdistComm()).turns[rank]
         return
     seq = state.take_sequence()
     try:
         channel = make_channel(store, state, rank, world_size, label, timeout if usable else None, seq)
-        with _block(channel, order, timeout, state, site) as turn:
+        with _calling_at_end(), _block(channel, order, timeout, state, site) as turn:
             yield turn
     finally:
         state.leave(seq)  # whatever happened, this process reads no key of the block any more

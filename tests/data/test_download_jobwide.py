@@ -339,3 +339,27 @@ def test_a_deadline_bounds_every_holder(world: World, server: TestHTTPServer, tm
     # DeadlinePassed is the DownloadError that download_url raises for a deadline; the other holders raise it too.
     assert all(r["type"] in ("DeadlinePassed", "DownloadError") for r in results), results
     assert all("deadline" in r["message"] for r in results), results
+
+
+def body_local_first(url: str, base: str, relay: str) -> dict[str, Any]:
+    import ignite_ext.distributed as idist
+    from ignite_ext.data import download_url
+
+    os.environ["IGNITE_EXT_RELAY"] = relay
+    root = Path(base, f"node{idist.get_node_rank()}")
+    with idist.one_rank_first(local=True):  # the usual pattern for node-local disks, unchanged
+        path = download_url(url, root, sha256=SHA, progress=False)
+    return {"sha": hashlib.sha256(path.read_bytes()).hexdigest()}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("relay", ["1", "0"], ids=["relayed", "relay-off"])
+def test_one_rank_first_local_users_fetch_once_per_job_too(
+    world: World, server: TestHTTPServer, tmp_path: Path, relay: str
+) -> None:
+    # Two nodes of two ranks (nproc_per_node=2), a directory per node: each node's local rank 0 runs first, and
+    # the two of them chain up; with IGNITE_EXT_RELAY=0 each asks the origin, as before.
+    url = server.add("/a.bin", DATA)
+    results = world(body_local_first, url, str(tmp_path), relay, nproc_per_node=2, env=ENV)
+    assert {r["sha"] for r in results} == {SHA}
+    assert server.bytes_served("/a.bin") == len(DATA) * (1 if relay == "1" else 2)

@@ -1,10 +1,10 @@
 """The holders' side of a job-wide fetch: joining a file's chain, filling the copy from the relays, handing over.
 
-:func:`~ignite_ext.data.download.fetch.download_url` asks :func:`current` whether it runs inside a job-wide fetch
-(:func:`~ignite_ext.data.download.jobwide.download_for_job` sets it); if so, the process that is about to fetch
-joins the file's chain (:meth:`Relaying.join`), takes the bytes from the holders before it
-(:func:`from_relays`) before it turns to the origin, and hands its copy over when it is published
-(:func:`hand_over`) or its error when it gives up on the origin (:func:`gave_up`).
+:func:`~ignite_ext.data.download.fetch.download_url`, about to fetch inside a scheduled block of a job
+(:func:`in_this_block`), joins the file's chain (:meth:`Relaying.join`), takes the bytes from the holders before
+it (:func:`from_relays`) before it turns to the origin, and hands its copy over when it is published
+(:func:`hand_over`) or its error when it gives up on the origin (:func:`gave_up`). Its relay serves until the
+rank leaves the block.
 
 Importing it imports neither torch nor :mod:`ignite_ext.distributed` (plain downloads do not need them): the
 functions that run only inside a job import them.
@@ -15,11 +15,11 @@ functions that run only inside a job import them.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import logging
 import os
 import socket
-from collections.abc import Callable, Iterator, Sequence
+import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,14 +34,14 @@ from ignite_ext.errors import DownloadError
 
 __all__ = [
     "RELAY_ADDR_ENV",
+    "RELAY_ENV",
     "Member",
     "Relaying",
-    "current",
     "from_relays",
     "gave_up",
     "hand_over",
+    "in_this_block",
     "relay_host",
-    "relaying",
 ]
 
 logger = logging.getLogger("ignite_ext.data.download")
@@ -96,7 +96,7 @@ class Member:
 
 @dataclass
 class Relaying:
-    """The job-wide fetches of one :func:`download_for_job` call on this rank: the chains it joined.
+    """The chains one ``download_url`` call in a scheduled block joined on this rank, and their relays.
 
     .. versionadded:: 0.3.0
     """
@@ -129,12 +129,26 @@ class Relaying:
         self.members.clear()
 
 
-_RELAYING: contextvars.ContextVar[Relaying | None] = contextvars.ContextVar("ignite_ext_relaying", default=None)
+#: ``0`` turns relaying off: each holder then fetches from the origin, as outside a job.
+RELAY_ENV = "IGNITE_EXT_RELAY"
 
 
-def current() -> Relaying | None:
-    """The job-wide fetch this call of ``download_url`` is part of, if any (see :func:`download_for_job`)."""
-    return _RELAYING.get()
+def in_this_block() -> Relaying | None:
+    """A new :class:`Relaying` for a fetch inside a scheduled block of a job with a store, else None.
+
+    Its relays stop when this rank leaves the block (:func:`~ignite_ext.distributed.at_block_end`): every rank
+    has its directory's copy by then. Outside a job (no ``ignite_ext.distributed`` imported: nothing can be
+    scheduled) it costs nothing and imports nothing.
+    """
+    if os.environ.get(RELAY_ENV, "1") == "0" or "ignite_ext.distributed" not in sys.modules:
+        return None
+    import ignite_ext.distributed as idist
+
+    store = idist.job_store()
+    if store is None:
+        return None
+    relaying = Relaying(store, idist.get_rank())
+    return relaying if idist.at_block_end(relaying.close) else None
 
 
 def from_relays(member: Member, partial: Partial, job: Job) -> bool:
@@ -238,15 +252,3 @@ def gave_up(member: Member, exc: DownloadError) -> None:
     member.growing.end()
     if member.from_origin:
         member.chain.post_failure(exc)
-
-
-@contextlib.contextmanager
-def relaying(store: Any, rank: int) -> Iterator[Relaying]:
-    """Make the ``download_url`` calls of this context join their file's chain; stop the relays at its end."""
-    state = Relaying(store, rank)
-    token = _RELAYING.set(state)
-    try:
-        yield state
-    finally:
-        _RELAYING.reset(token)
-        state.close()

@@ -67,8 +67,7 @@ from ignite_ext.data.download._job import (
 )
 from ignite_ext.data.download._parallel import fetch_segments, plan_segments
 from ignite_ext.data.download._partial import ORPHAN_MAX_AGE_S, Partial, Segment, claim, park
-from ignite_ext.data.download._relaying import current as current_relaying
-from ignite_ext.data.download._relaying import from_relays, gave_up, hand_over
+from ignite_ext.data.download._relaying import from_relays, gave_up, hand_over, in_this_block
 from ignite_ext.data.download._verify import CHUNK, expected_digests, is_valid, mismatch, remember_digests
 from ignite_ext.data.download.extract import DEFAULT_MAX_TOTAL_BYTES, archive_stem, extract_archive
 from ignite_ext.errors import ChecksumError, DownloadError
@@ -111,6 +110,11 @@ def download_url(
 
     The first four arguments are those of ``torchvision.datasets.utils.download_url``, in its order, so this
     function can stand in for it.
+
+    Inside a scheduled block of a multi-rank job (``one_rank_first(local=True)``, ``SharedPath``, any block), the
+    processes that fetch the same file into different directories fetch it from the origin once for the job: the
+    first to come fetches, the others receive it from one another while it downloads (see
+    :mod:`ignite_ext.data.download.jobwide`); ``IGNITE_EXT_RELAY=0`` turns that off.
 
     Args:
         url: ``http``, ``https`` or ``file`` URL (non-ASCII characters are encoded as UTF-8, hosts as IDNA).
@@ -170,7 +174,7 @@ def download_url(
     .. versionadded:: 0.1.0
     .. versionchanged:: 0.3.0
        ``low_speed_limit`` and ``low_speed_time``: a low-speed floor by default. The wait for a lock that another
-       user's process holds is bounded.
+       user's process holds is bounded. Inside a scheduled block of a job, one fetch from the origin per job.
     """
     urls = [url, *mirrors]
     check_arguments(urls, timeout, retries, deadline, connections, low_speed_limit, low_speed_time)
@@ -249,8 +253,8 @@ def _lock_path(target: Path) -> Path:
 
 def _fetch(target: Path, urls: Sequence[str], job: Job) -> None:
     partial = claim(target, urls, set(job.expected))
-    relays = current_relaying()
-    # In a job-wide fetch: serve these bytes to the holders after this one, and take them from those before it.
+    relays = in_this_block()
+    # In a scheduled block of a job: serve these bytes to the holders after this one, take them from those before.
     member = relays.join(target, urls, job, partial) if relays is not None else None
     published = False
     try:

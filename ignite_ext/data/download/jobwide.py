@@ -3,7 +3,8 @@
 Called on every rank, it runs :func:`~ignite_ext.data.download_url` in a
 ``rank_scheduler(order=SharedPath(root))`` block: one rank per physical directory (per host, for a node-local
 ``root``) makes its directory's copy while the others wait for it, as before. What changes is where those
-*holders* get the bytes. They join a chain through the job's store (:mod:`._chain`) in the order they come: the
+*holders* get the bytes, and it is ``download_url``'s doing inside any scheduled block of a job (so the same holds
+for ``one_rank_first(local=True)`` around it, with one holder per node). They join a chain through the job's store (:mod:`._chain`) in the order they come: the
 first fetches from the origin, each next one from the one before it, through that holder's relay
 (:mod:`._relay_server`), which serves its temp file *as it grows*. So the bytes flow down the chain while the
 origin still sends them, and the origin serves them once.
@@ -37,13 +38,11 @@ copy.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import os
 from pathlib import Path
 from typing import Any
 
-from ignite_ext.data.download._relaying import relaying
 from ignite_ext.data.download._verify import expected_digests
 from ignite_ext.data.download.fetch import check_arguments, download_url
 
@@ -100,14 +99,9 @@ def download_for_job(
         "checking download_for_job's arguments",
         check=lambda keys: None if (d := disagreement(keys)) is None else f"the ranks passed different arguments: {d}",
     )
-    with contextlib.ExitStack() as stack:
-        with idist.rank_scheduler(order=idist.SharedPath(root)) as first:
-            store = idist.job_store()
-            if first and store is not None:
-                stack.enter_context(relaying(store, idist.get_rank()))
-            path = download_url(url, root, filename, md5, **options)
-        # Every rank has left the block: every directory has its copy, the relays may stop (the stack's end).
-        return path
+    # download_url relays what it fetches in a scheduled block; its relays stop when this rank leaves it.
+    with idist.rank_scheduler(order=idist.SharedPath(root)):
+        return download_url(url, root, filename, md5, **options)
 
 
 def _same_everywhere(url: str, filename: str | None, md5: str | None, options: dict[str, Any]) -> str:
