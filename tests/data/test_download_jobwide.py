@@ -138,6 +138,14 @@ def test_a_relay_lost_mid_transfer_leaves_verified_copies_everywhere_else(
         assert max(v["s"] for v in survivors.values()) < 4 * T + 1.0, survivors
     else:
         assert not results[1].ok  # killed: no result
+        # Its relayed bytes are the origin's version, noted as such: the next call on its host resumes from them.
+        from ignite_ext.data import download_url
+
+        before = len(server.requests("/a.bin"))
+        path = download_url(url, tmp_path / "host1", progress=False)
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == SHA
+        resumed = server.requests("/a.bin")[before:]
+        assert len(resumed) == 1 and resumed[0].range is not None and resumed[0].status == 206, resumed
     assert time.monotonic() - start < 60
 
 
@@ -363,3 +371,39 @@ def test_one_rank_first_local_users_fetch_once_per_job_too(
     results = world(body_local_first, url, str(tmp_path), relay, nproc_per_node=2, env=ENV)
     assert {r["sha"] for r in results} == {SHA}
     assert server.bytes_served("/a.bin") == len(DATA) * (1 if relay == "1" else 2)
+
+
+@pytest.mark.parametrize("given", [True, False], ids=["digest-given", "digest-posted"])
+def test_a_relay_serving_wrong_bytes_is_caught_by_the_digest(tmp_path: Path, given: bool) -> None:
+    # A holder whose copy is wrong (a forged or corrupted relay that holds the secret): the bytes fail the check
+    # against the digest given, or the one the origin's holder posted, and are thrown away, never published.
+    import torch.distributed as dist
+
+    from ignite_ext.data.download._chain import Chain, Holder
+    from ignite_ext.data.download._job import Job
+    from ignite_ext.data.download._relaying import Member, from_relays
+
+    wrong = bytearray(DATA)
+    wrong[len(wrong) // 2] ^= 0xFF
+    chain = Chain(dist.HashStore(), "file-1")
+    secret = chain.secret()
+    with tempfile.TemporaryFile() as f:
+        f.write(wrong)
+        f.flush()
+        growing = Growing()
+        growing.start(Version(len(DATA), '"v1"', None), f.fileno(), len(DATA))
+        growing.end()
+        server = RelayServer(growing, secret, "file-1", "127.0.0.1", io_timeout=5.0)
+        try:
+            chain.post(Holder(chain.join(), 0, *server.address))
+            if not given:
+                chain.post_digest(SHA, len(DATA))  # what the origin's holder posts of its own, right, copy
+            place = chain.join()
+            partial = _partial(tmp_path)
+            mine = Growing()
+            member = Member(chain, place, secret, mine, server, "http://origin/a.bin", 1)
+            job = Job({"sha256": SHA} if given else {}, timeout=5.0, retries=0, progress=False, ends_at=None)
+            assert from_relays(member, partial, job) is False  # no holder gave a verified copy: the origin's turn
+            assert partial.size == 0  # the wrong bytes are gone
+        finally:
+            server.stop()
