@@ -5,6 +5,7 @@ The relay's wire is tested in-process: a stranger without the secret gets no byt
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import random
@@ -60,7 +61,12 @@ def body_fetch(url: str, base: str, per_dir: int, sha256: str | None, stagger: f
     start = time.monotonic()
     try:
         path = download_for_job(url, root, sha256=sha256, progress=False)
-        return {"ok": True, "sha": hashlib.sha256(path.read_bytes()).hexdigest(), "s": time.monotonic() - start}
+        return {
+            "ok": True,
+            "sha": hashlib.sha256(path.read_bytes()).hexdigest(),
+            "s": time.monotonic() - start,
+            "relays_open": _relays_open(url, sha256),
+        }
     except Exception as exc:
         return {
             "ok": False,
@@ -69,6 +75,23 @@ def body_fetch(url: str, base: str, per_dir: int, sha256: str | None, stagger: f
             "sha": _file_sha(root, "a.bin"),
             "s": time.monotonic() - start,
         }
+
+
+def _relays_open(url: str, sha256: str | None) -> int:
+    """How many of this rank's relays of the file still accept a connection, now that it has left the block."""
+    import ignite_ext.distributed as idist
+    from ignite_ext.data.download._chain import Chain, file_id
+
+    chain = Chain(idist.job_store(), file_id(url, "a.bin", {"sha256": sha256} if sha256 else {}))
+    joined = int(chain.store.add(f"{chain.prefix}/holders", 0))
+    holders = [chain.holder(place, timeout=0.0) for place in range(1, joined + 1)]
+    open_ = 0
+    for holder in holders:
+        assert holder is not None
+        if holder.rank == idist.get_rank():
+            with contextlib.suppress(OSError), socket.create_connection((holder.host, holder.port), timeout=2):
+                open_ += 1
+    return open_
 
 
 @pytest.mark.distributed
@@ -82,6 +105,7 @@ def test_the_origin_serves_the_file_once_per_job(
     assert [r["ok"] for r in results] == [True] * 4, results
     assert {r["sha"] for r in results} == {SHA}
     assert server.bytes_served("/a.bin") == len(DATA)  # 1.00x the file, for 4 / per_dir directories
+    assert [r["relays_open"] for r in results] == [0] * 4  # each rank's relay stopped as it left the block
     assert len(server.requests("/a.bin")) == 1
     for d in range(4 // per_dir):
         assert _file_sha(tmp_path / f"host{d}", "a.bin") == SHA

@@ -4,10 +4,10 @@ Called on every rank, it runs :func:`~ignite_ext.data.download_url` in a
 ``rank_scheduler(order=SharedPath(root))`` block: one rank per physical directory (per host, for a node-local
 ``root``) makes its directory's copy while the others wait for it, as before. What changes is where those
 *holders* get the bytes, and it is ``download_url``'s doing inside any scheduled block of a job (so the same holds
-for ``one_rank_first(local=True)`` around it, with one holder per node). They join a chain through the job's store (:mod:`._chain`) in the order they come: the
-first fetches from the origin, each next one from the one before it, through that holder's relay
-(:mod:`._relay_server`), which serves its temp file *as it grows*. So the bytes flow down the chain while the
-origin still sends them, and the origin serves them once.
+for ``one_rank_first(local=True)`` around it, with one holder per node). They join a chain through the job's
+store (:mod:`._chain`) in the order they come: the first fetches from the origin, each next one from the one
+before it, through that holder's relay (:mod:`._relay_server`), which serves its temp file *as it grows*. So the
+bytes flow down the chain while the origin still sends them, and the origin serves them once.
 
 **Time.** With the origin's rate ``R`` below the hosts' links ``B``, the chain carries the file at ``R``: holder
 ``k`` of ``H`` lags the first by about ``k`` relay buffers (the bytes a relay forwards in a round trip), so the last
@@ -30,8 +30,8 @@ mirrors), it posts its error, and every holder raises the same error once, witho
 **Only the job gets in.** A relay listens on the interface that reaches the job's store (the process group's),
 serves that one file read-only, and only to a client that proves it holds the job's secret (32 random bytes in
 the store, as trusted as the process group itself; never on a command line or in a log), proving it holds it in
-turn (:mod:`._relay_wire`). It stops when every rank has left the block, that is, when every directory has its
-copy.
+turn (:mod:`._relay_wire`). It stops when its rank leaves the block: every rank has finished it by then, so every
+directory has its copy.
 
 .. versionadded:: 0.3.0
 """
