@@ -22,7 +22,7 @@ from ignite_ext.distributed.errors import CollectiveError, RankDiedError, RankFa
 from ignite_ext.distributed.liveness import watch_for_groups as _watch_for_groups
 from ignite_ext.distributed.membership import job_store, lost_ranks
 from ignite_ext.distributed.policies import Comm, MasterFirst, Ordered, Plan, Policy, Turn, World
-from ignite_ext.distributed.schedule import at_block_end, one_rank_first, rank_scheduler
+from ignite_ext.distributed.schedule import at_block_end, current_block, one_rank_first, rank_scheduler
 from ignite_ext.distributed.shared_path import SharedPath
 
 __all__ = [
@@ -41,6 +41,7 @@ __all__ = [
     "World",
     "agree",
     "at_block_end",
+    "current_block",
     "job_store",
     "lost_ranks",
     "one_rank_first",

@@ -26,7 +26,7 @@ from ignite_ext.distributed.policies import MasterFirst, Ordered, Plan, Policy, 
 from ignite_ext.distributed.shared_path import SharedPath
 from ignite_ext.errors import CollectiveError, RankFailedError, RankFailure
 
-__all__ = ["at_block_end", "one_rank_first", "rank_scheduler"]
+__all__ = ["at_block_end", "current_block", "one_rank_first", "rank_scheduler"]
 
 _MAX_MESSAGE = 2000
 # The package's own policies plan from the agreed world alone: the same on every rank by construction.
@@ -55,18 +55,38 @@ def at_block_end(callback: Callable[[], None]) -> bool:
 
     .. versionadded:: 0.3.0
     """
-    stack: list[list[Callable[[], None]]] = getattr(_ENDS, "stack", [])
+    stack: list[tuple[int, list[Callable[[], None]]]] = getattr(_ENDS, "stack", [])
     if not stack:
         return False
-    stack[0].append(callback)
+    stack[0][1].append(callback)
     return True
 
 
+def current_block() -> int | None:
+    """The number of the scheduled block this thread runs in (the outermost one), the same on every rank; or None.
+
+    Blocks are numbered in the order the ranks enter them, which is the same on every rank: what one block's
+    ranks coordinate on their own (under store keys of their own, say) can be told from another block's by it.
+
+    Examples:
+        >>> import ignite_ext.distributed as idist
+        >>> idist.current_block() is None
+        True
+        >>> with idist.one_rank_first():
+        ...     isinstance(idist.current_block(), int)
+        True
+
+    .. versionadded:: 0.3.0
+    """
+    stack: list[tuple[int, list[Callable[[], None]]]] = getattr(_ENDS, "stack", [])
+    return stack[0][0] if stack else None
+
+
 @contextmanager
-def _calling_at_end() -> Iterator[None]:
-    stack: list[list[Callable[[], None]]] = _ENDS.__dict__.setdefault("stack", [])
+def _calling_at_end(seq: int) -> Iterator[None]:
+    stack: list[tuple[int, list[Callable[[], None]]]] = _ENDS.__dict__.setdefault("stack", [])
     ends: list[Callable[[], None]] = []
-    stack.append(ends)
+    stack.append((seq, ends))
     try:
         yield
     finally:
@@ -271,13 +291,13 @@ def rank_scheduler(order: Policy | None = None, *, timeout: float | None = None)
     if world_size == 1:
         world = _agree_on_entry(make_channel(None, state, rank, 1, label, None, -1), order, timeout, site)
         assert isinstance(order, Policy)
-        with _calling_at_end(), state.inside(world):
+        with _calling_at_end(-1), state.inside(world):
             yield order.plan(world, IdistComm()).turns[rank]
         return
     seq = state.take_sequence()
     try:
         channel = make_channel(store, state, rank, world_size, label, timeout if usable else None, seq)
-        with _calling_at_end(), _block(channel, order, timeout, state, site) as turn:
+        with _calling_at_end(seq), _block(channel, order, timeout, state, site) as turn:
             yield turn
     finally:
         state.leave(seq)  # whatever happened, this process reads no key of the block any more

@@ -162,14 +162,15 @@ def test_a_relay_lost_mid_transfer_leaves_verified_copies_everywhere_else(
         assert max(v["s"] for v in survivors.values()) < 4 * T + 1.0, survivors
     else:
         assert not results[1].ok  # killed: no result
-        # Its relayed bytes are the origin's version, noted as such: the next call on its host resumes from them.
+        # Its relayed bytes, which no digest given could check, are not resumed by the next call on its host: it
+        # fetches the file whole (with a digest given they would be, the digest checking them at the end).
         from ignite_ext.data import download_url
 
         before = len(server.requests("/a.bin"))
         path = download_url(url, tmp_path / "host1", progress=False)
         assert hashlib.sha256(path.read_bytes()).hexdigest() == SHA
-        resumed = server.requests("/a.bin")[before:]
-        assert len(resumed) == 1 and resumed[0].range is not None and resumed[0].status == 206, resumed
+        again = server.requests("/a.bin")[before:]
+        assert [(r.range, r.status, r.sent) for r in again] == [(None, 200, len(DATA))], again
     assert time.monotonic() - start < 60
 
 
@@ -431,3 +432,69 @@ def test_a_relay_serving_wrong_bytes_is_caught_by_the_digest(tmp_path: Path, giv
             assert partial.size == 0  # the wrong bytes are gone
         finally:
             server.stop()
+
+
+def body_retry_after_failure(url: str, base: str) -> dict[str, Any]:
+    import ignite_ext.distributed as idist
+    from ignite_ext.data import download_for_job
+
+    root = Path(base, f"host{idist.get_rank()}")
+    try:
+        download_for_job(url, root, progress=False)
+        first = "ok"
+    except Exception as exc:
+        first = type(exc).__name__
+    path = download_for_job(url, root, progress=False)  # a later block: a chain of its own
+    return {"first": first, "sha": hashlib.sha256(path.read_bytes()).hexdigest()}
+
+
+@pytest.mark.distributed
+def test_a_retry_after_an_origin_failure_starts_a_chain_of_its_own(
+    world: World, server: TestHTTPServer, tmp_path: Path
+) -> None:
+    url = server.add("/a.bin", DATA)
+    server.fault("/a.bin", status=404, times=1)  # the first request only
+    results = world(body_retry_after_failure, url, str(tmp_path), env=ENV)
+    assert [r["first"] for r in results] == ["DownloadError"] * 4, results
+    assert {r["sha"] for r in results} == {SHA}  # the first block's failure is not the second's
+    assert server.bytes_served("/a.bin") == len(DATA)
+
+
+def test_a_client_that_trickles_its_handshake_is_dropped(
+    relay: tuple[RelayServer, bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ignite_ext.data.download import _relay_server
+
+    server, _ = relay
+    monkeypatch.setattr(_relay_server, "HANDSHAKE_TIMEOUT_S", 1.0)
+    start = time.monotonic()
+    with socket.create_connection(server.address, timeout=5) as sock:
+        with contextlib.suppress(OSError):
+            for _ in range(20):  # a byte every 0.3 s: every read is short, the whole is not
+                sock.sendall(b"x")
+                time.sleep(0.3)
+        sock.settimeout(5)
+        with contextlib.suppress(OSError):
+            while sock.recv(1 << 10):
+                pass
+    assert time.monotonic() - start < 1.0 + 3.0  # dropped at the handshake's deadline, not 20 bytes later
+    assert server.served_bytes == 0
+
+
+def test_no_digest_wait_for_a_holder_that_abandoned(tmp_path: Path) -> None:
+    # The holder fetching from the origin stopped for a reason of its own (its disk, its deadline): the others do
+    # not wait for a digest that will not come, nor raise its error; their copies go to the origin's check.
+    import torch.distributed as dist
+
+    from ignite_ext.data.download._chain import Chain
+    from ignite_ext.data.download._job import Job
+    from ignite_ext.data.download._relaying import Member, _verified
+
+    chain = Chain(dist.HashStore(), "file-1")
+    chain.abandon()
+    member = Member(chain, 2, b"", Growing(), None, "http://origin/a.bin", 1)  # type: ignore[arg-type]
+    job = Job({}, timeout=5.0, retries=0, progress=False, ends_at=None)
+    start = time.monotonic()
+    assert _verified(member, _partial(tmp_path), job, before=[0]) is False
+    assert chain.failure() is None
+    assert time.monotonic() - start < 5.0

@@ -1,7 +1,9 @@
 """The holders of one file in one job, in the order they came: who fetches from the origin, who from whom.
 
 Through the store every rank of the job shares (:func:`ignite_ext.distributed.job_store`), under
-``ignite_ext/relay/<file>/`` where ``<file>`` hashes the file's first URL, name and expected digests:
+``ignite_ext/relay/<block>/<file>/``, where ``<block>`` is the scheduled block's number
+(:func:`ignite_ext.distributed.current_block`: a retry in a later block starts a chain of its own) and ``<file>``
+hashes the file's first URL, name and expected digests:
 
 .. code-block:: text
 
@@ -9,8 +11,14 @@ Through the store every rank of the job shares (:func:`ignite_ext.distributed.jo
     holders             each holder as it joins (add)         its place: 1 fetches from the origin, p from p - 1
     secret              the first holder to ask (compare_set) 32 random bytes, hex: the relays' shared secret
     at/<p>              holder p, before it fetches           its rank and its relay's address (JSON)
-    failed              the origin's holder, if it gives up   the error's type and message (JSON): raised by all
-    sha256              the origin's holder, once published   the file's SHA-256 and size, checked by every copy
+    failed              a holder the origin failed (once)     the error (JSON): every holder raises it
+    abandoned           a holder fetching from the origin     "1": it stopped for a reason of its own (its disk,
+                        that stopped without a copy           its deadline): no digest is coming from it
+    sha256              the first holder fetching from the    the file's SHA-256 and size, checked by every
+                        origin to publish (compare_set)       relayed copy
+
+The store is the trust boundary: whoever can reach it can read the secret and post a digest, as they can already
+take part in the process group's rendezvous.
 
 Per holder: one ``add``, two requests for the secret, one ``set``, one ``wait`` and ``get`` per holder it turns
 to (its predecessor, unless that one is lost), one ``check`` per relay lost; one ``wait`` and ``get`` of the
@@ -62,10 +70,10 @@ class Holder:
 class Chain:
     """The chain of one file through the job's store (see the module docstring)."""
 
-    def __init__(self, store: Any, file: str) -> None:
+    def __init__(self, store: Any, file: str, block: int = 0) -> None:
         self.store = store
         self.file = file
-        self.prefix = f"{_ROOT}/{file}"
+        self.prefix = f"{_ROOT}/{block}/{file}"
 
     def join(self) -> int:
         """This holder's place: 1 for the first to come."""
@@ -82,9 +90,7 @@ class Chain:
     def holder(self, place: int, timeout: float) -> Holder | None:
         """Holder ``place``, once it has said where it listens (None if it has not within ``timeout``)."""
         key = f"{self.prefix}/at/{place}"
-        try:
-            self.store.wait([key], timedelta(seconds=max(0.001, timeout)))
-        except RuntimeError:  # DistStoreError: the wait timed out
+        if not self._wait(key, timeout):
             return None
         rank, host, port = json.loads(bytes(self.store.get(key)))
         return Holder(place, int(rank), str(host), int(port))
@@ -108,15 +114,33 @@ class Chain:
             return ChecksumError(message, algorithm=algorithm, expected=expected, actual=actual, url=url)
         return DownloadError(message, url=url, status=status)
 
+    def abandon(self) -> None:
+        """A holder fetching from the origin stopped without a copy, for a reason of its own."""
+        self.store.set(f"{self.prefix}/abandoned", "1")
+
+    def abandoned(self) -> bool:
+        return bool(self.store.check([f"{self.prefix}/abandoned"]))
+
     def post_digest(self, sha256: str, size: int) -> None:
-        self.store.set(f"{self.prefix}/sha256", json.dumps([sha256, size]))
+        """The digest of a copy that came from the origin (the first posted stands)."""
+        self.store.compare_set(f"{self.prefix}/sha256", "", json.dumps([sha256, size]))
 
     def digest(self, timeout: float) -> tuple[str, int] | None:
-        """The SHA-256 and size of the origin holder's published copy (None if not posted within ``timeout``)."""
+        """The SHA-256 and size of a published copy from the origin (None if not posted within ``timeout``)."""
         key = f"{self.prefix}/sha256"
-        try:
-            self.store.wait([key], timedelta(seconds=max(0.001, timeout)))
-        except RuntimeError:
+        if not self._wait(key, timeout):
             return None
         sha256, size = json.loads(bytes(self.store.get(key)))
         return str(sha256), int(size)
+
+    def _wait(self, key: str, timeout: float) -> bool:
+        """Whether ``key`` is set within ``timeout`` (one server-side wait); a lost store still raises."""
+        from torch.distributed import DistStoreError  # only ever called in a job: torch is there
+
+        try:
+            self.store.wait([key], timedelta(seconds=max(0.001, timeout)))
+        except DistStoreError as exc:
+            if "timeout" not in str(exc).lower():
+                raise
+            return False
+        return True

@@ -9,6 +9,7 @@ them, and only on the same version: a relay that serves another version starts t
 
 from __future__ import annotations
 
+import select
 import socket
 from collections.abc import Callable
 
@@ -35,7 +36,7 @@ def receive(
     secret: bytes,
     file_id: str,
     partial: Partial,
-    origin: str,
+    source: str,
     *,
     alive: Callable[[], bool],
     slice_s: float,
@@ -43,6 +44,9 @@ def receive(
     on_bytes: Callable[[int], None] = lambda n: None,
 ) -> None:
     """Make ``partial`` hold the whole file, from the relay at ``address``; resume from what it holds if it can.
+
+    The bytes are recorded as coming from ``source`` (the origin's URL, or a name of their own when no digest
+    will check them), with the version the relay names: only bytes of that source and version are resumed.
 
     ``alive`` is asked each ``slice_s`` seconds without a byte: a relay whose upstream is slow is waited for as
     long as its rank is alive; one whose rank the job lost is given up. ``check`` is called after each chunk and
@@ -56,7 +60,7 @@ def receive(
     except OSError as exc:
         raise RelayGone(f"relay {address[0]}:{address[1]}: {exc}") from exc
     with sock:
-        same = partial.url == origin and partial.validator is not None and not partial.no_resume
+        same = partial.url == source and partial.validator is not None and not partial.no_resume
         validator = partial.validator if same and partial.validator is not None else Validator()
         request = {
             "file": file_id,
@@ -66,6 +70,12 @@ def receive(
         }
         try:
             client_hello(sock, secret, request)
+            # The relay answers once its holder knows the file's size and version (the origin's headers, or its
+            # copy's end when the origin gives no size): as long as that takes, while the holder is alive.
+            while not select.select([sock], [], [], slice_s)[0]:
+                check()
+                if not alive():
+                    raise RelayGone(f"relay {address[0]}:{address[1]}: its rank was lost")
             answer = read_message(sock)
         except OSError as exc:  # RelayRefused is one
             raise RelayGone(f"relay {address[0]}:{address[1]}: {exc}") from exc
@@ -75,7 +85,7 @@ def receive(
         if offset != partial.size or not same:
             partial.restart()  # another version, or nothing to continue: from byte 0
         partial.resumed = partial.resumed or offset > 0
-        partial.note_source(origin, Validator(answer.get("etag"), answer.get("last_modified")), total)
+        partial.note_source(source, Validator(answer.get("etag"), answer.get("last_modified")), total)
         sock.settimeout(slice_s)
         while partial.size < total:
             try:

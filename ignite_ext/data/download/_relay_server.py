@@ -17,11 +17,16 @@ import os
 import selectors
 import socket
 import threading
+import time
 from dataclasses import dataclass
 
 from ignite_ext.data.download._relay_wire import HANDSHAKE_TIMEOUT_S, RelayRefused, send_message, server_hello
 
-__all__ = ["Growing", "RelayServer", "Version"]
+__all__ = ["MAX_CONNECTIONS", "Growing", "RelayServer", "Version"]
+
+#: Connections a relay serves at once: a holder has one client, the one after it, and a few more when holders are
+#: lost; a stranger opening connections by the thousand gets refused ones, and takes no thread.
+MAX_CONNECTIONS = 16
 
 logger = logging.getLogger("ignite_ext.data.download")
 
@@ -145,6 +150,7 @@ class RelayServer:
         self.address: tuple[str, int] = (host, self._listener.getsockname()[1])
         self._stopped = threading.Event()
         self._conns: set[socket.socket] = set()
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._lock = threading.Lock()
         self.served_bytes = 0
         self.refused = 0
@@ -169,20 +175,33 @@ class RelayServer:
         while not self._stopped.is_set():
             try:
                 conn, _ = self._listener.accept()
-            except OSError:
-                return  # stopped
+            except OSError as exc:
+                if self._stopped.is_set():
+                    return
+                logger.warning("relay: accept failed (%s); listening on", exc)  # EMFILE, ECONNABORTED: passing
+                time.sleep(0.1)
+                continue
+            if not self._slots.acquire(blocking=False):
+                conn.close()  # as many connections as holders could want, and more: refused, not queued
+                continue
             with self._lock:
                 self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="ignite_ext-relay-stream", daemon=True).start()
+            try:
+                threading.Thread(target=self._serve, args=(conn,), name="ignite_ext-relay-stream", daemon=True).start()
+            except RuntimeError:  # no thread to be had
+                with self._lock:
+                    self._conns.discard(conn)
+                conn.close()
+                self._slots.release()
 
     def _serve(self, conn: socket.socket) -> None:
         try:
-            conn.settimeout(HANDSHAKE_TIMEOUT_S)
             try:
-                request = server_hello(conn, self._secret)
+                request = server_hello(conn, self._secret, time.monotonic() + HANDSHAKE_TIMEOUT_S)
             except RelayRefused as exc:
                 self.refused += 1
-                logger.warning("relay: refused a connection: %s", exc)
+                # The first one said loudly, the others quietly: a stranger at the port must not flood the log.
+                (logger.warning if self.refused == 1 else logger.debug)("relay: refused a connection: %s", exc)
                 return
             conn.settimeout(self._io_timeout)
             self._stream(conn, request)
@@ -192,6 +211,7 @@ class RelayServer:
             with self._lock:
                 self._conns.discard(conn)
             conn.close()
+            self._slots.release()
 
     def _stream(self, conn: socket.socket, request: dict[str, object]) -> None:
         growing = self.growing
@@ -199,6 +219,8 @@ class RelayServer:
             send_message(conn, {"error": "no such file"})
             return
         version, prefix, generation, ended = growing.wait_known(self._io_timeout)
+        while version is None and not ended and not self._stopped.is_set():  # its holder still waits for the origin
+            version, prefix, generation, ended = growing.wait_known(self._io_timeout)
         if version is None:
             send_message(conn, {"error": "the file is not coming"})
             return

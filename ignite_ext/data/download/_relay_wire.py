@@ -24,6 +24,7 @@ import json
 import os
 import socket
 import struct
+import time
 from typing import Any
 
 from ignite_ext.errors import IgniteExtError
@@ -58,9 +59,15 @@ def _mac(secret: bytes, *parts: bytes) -> bytes:
     return hmac.new(secret, b"".join(parts), hashlib.sha256).digest()
 
 
-def _read_exactly(sock: socket.socket, n: int) -> bytes:
+def _read_exactly(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    """``n`` bytes; by ``deadline`` (``time.monotonic()``) if given, however slowly they trickle in."""
     data = bytearray()
     while len(data) < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the other end took too long")
+            sock.settimeout(left)
         chunk = sock.recv(n - len(data))
         if not chunk:
             raise ConnectionError(f"the connection closed after {len(data)} of {n} bytes")
@@ -100,11 +107,11 @@ def client_hello(sock: socket.socket, secret: bytes, request: dict[str, Any]) ->
         ConnectionError: the connection broke.
 
     Examples:
-        >>> import socket, threading
+        >>> import socket, threading, time
         >>> from ignite_ext.data.download._relay_wire import client_hello, server_hello
         >>> a, b = socket.socketpair()
         >>> got = []
-        >>> server = threading.Thread(target=lambda: got.append(server_hello(b, b"k")))
+        >>> server = threading.Thread(target=lambda: got.append(server_hello(b, b"k", time.monotonic() + 5)))
         >>> server.start(); client_hello(a, b"k", {"offset": 5}); server.join()
         >>> got
         [{'offset': 5}]
@@ -118,21 +125,25 @@ def client_hello(sock: socket.socket, secret: bytes, request: dict[str, Any]) ->
     sock.sendall(_mac(secret, b"C", theirs, body) + _LEN.pack(len(body)) + body)
 
 
-def server_hello(sock: socket.socket, secret: bytes) -> dict[str, Any]:
+def server_hello(sock: socket.socket, secret: bytes, deadline: float) -> dict[str, Any]:
     """Prove the secret to the client at the other end of ``sock``, check its proof, and return its request.
+
+    The whole exchange must be over by ``deadline`` (``time.monotonic()``): a client that trickles its bytes is
+    dropped then.
 
     Raises:
         RelayRefused: the client does not hold the secret, or sent something else than a request.
         ConnectionError: the connection broke.
+        TimeoutError: the deadline passed.
     """
-    theirs = _read_exactly(sock, NONCE)
+    theirs = _read_exactly(sock, NONCE, deadline)
     mine = os.urandom(NONCE)
     sock.sendall(mine + _mac(secret, b"S", theirs, mine))
-    proof = _read_exactly(sock, _MAC)
-    (length,) = _LEN.unpack(_read_exactly(sock, _LEN.size))
+    proof = _read_exactly(sock, _MAC, deadline)
+    (length,) = _LEN.unpack(_read_exactly(sock, _LEN.size, deadline))
     if length > _MAX_MESSAGE:
         raise RelayRefused(f"a request of {length} bytes")
-    body = _read_exactly(sock, length)
+    body = _read_exactly(sock, length, deadline)
     if not hmac.compare_digest(proof, _mac(secret, b"C", mine, body)):
         raise RelayRefused("the client did not prove that it holds the job's secret")
     try:

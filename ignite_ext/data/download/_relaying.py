@@ -33,6 +33,7 @@ from ignite_ext.data.download._verify import mismatch
 from ignite_ext.errors import DownloadError
 
 __all__ = [
+    "RELAYED",
     "RELAY_ADDR_ENV",
     "RELAY_ENV",
     "Member",
@@ -81,11 +82,11 @@ class Member:
 
     chain: Chain
     place: int
-    secret: bytes
-    growing: Growing
-    server: RelayServer
-    origin: str
-    rank: int
+    secret: bytes = field(repr=False)
+    growing: Growing = field(repr=False)
+    server: RelayServer = field(repr=False)
+    origin: str = ""
+    rank: int = 0
     #: Whether this holder's bytes come from the origin (the first holder, or one whose holders before it were lost).
     from_origin: bool = False
 
@@ -103,21 +104,34 @@ class Relaying:
 
     store: Any
     rank: int
+    block: int = 0
     members: list[Member] = field(default_factory=list)
 
-    def join(self, target: Path, urls: Sequence[str], job: Job, partial: Partial) -> Member:
-        """Join the chain of ``target``'s file and start serving ``partial`` to the holders after this one."""
-        chain = Chain(self.store, file_id(urls[0], target.name, job.expected))
+    def join(self, target: Path, urls: Sequence[str], job: Job, partial: Partial) -> Member | None:
+        """Join the chain of ``target``'s file and start serving ``partial`` to the holders after this one.
+
+        None when that cannot be done (no address to listen on, the store refusing): then this holder fetches
+        from the origin by itself, as outside a job, and says why in the log.
+        """
+        chain = Chain(self.store, file_id(urls[0], target.name, job.expected), self.block)
         growing = Growing()
+        server: RelayServer | None = None
+        try:
+            secret = chain.secret()
+            server = RelayServer(growing, secret, chain.file, relay_host(), io_timeout=job.timeout + job.low_speed_time)
+            place = chain.join()
+            chain.post(Holder(place, self.rank, *server.address))
+        except (OSError, RuntimeError, ValueError) as exc:  # socket errors, the store's (RuntimeError), bad JSON
+            logger.warning("relay: cannot join the job's chain for %s (%s); fetching it alone", target.name, exc)
+            if server is not None:
+                server.stop()
+            growing.close()
+            return None
         partial.observer = growing
         if partial.total is not None and partial.validator is not None and partial.url == urls[0]:
             growing.source(
                 partial.total, partial.validator.etag, partial.validator.last_modified, partial.fd, partial.size
             )
-        secret = chain.secret()
-        server = RelayServer(growing, secret, chain.file, relay_host(), io_timeout=job.timeout + job.low_speed_time)
-        place = chain.join()
-        chain.post(Holder(place, self.rank, *server.address))
         member = Member(chain, place, secret, growing, server, urls[0], self.rank, from_origin=place == 1)
         self.members.append(member)
         logger.info("relay: holder %d of %s, serving on %s:%d", place, target.name, *server.address)
@@ -147,51 +161,72 @@ def in_this_block() -> Relaying | None:
     store = idist.job_store()
     if store is None:
         return None
-    relaying = Relaying(store, idist.get_rank())
+    block = idist.current_block()
+    if block is None:
+        return None
+    relaying = Relaying(store, idist.get_rank(), block)
     return relaying if idist.at_block_end(relaying.close) else None
+
+
+#: Bytes relayed without a digest to check them by are recorded under this prefix of the origin's URL: neither a
+#: switch to the origin nor a later call resumes from them (only the digest its holder posts can vouch for them).
+RELAYED = "relayed+"
+#: How often a relay that closed early is asked again while its holder is alive (its bytes may have started over).
+_RECONNECTS = 2
 
 
 def from_relays(member: Member, partial: Partial, job: Job) -> bool:
     """Fill ``partial`` from the holders before this one, nearest first; True when it holds a verified copy.
 
-    False: no holder before it could finish it (each lost or gone): the caller goes to the origin, resuming
-    from the bytes held when they are of the origin's version.
+    False: no holder before it could finish a copy that passes the check (each lost, gone, or without a digest
+    to check against): the caller goes to the origin, resuming only from bytes of the origin's version that
+    a digest given will check.
 
     Raises:
-        DownloadError: the origin's holder gave up on the origin (the same error), or this call's deadline passed.
+        DownloadError: the origin failed the holder fetching from it (the same error), or this call's deadline
+            passed.
         OSError: writing the copy failed (the disk is full).
     """
     from ignite_ext.distributed import lost_ranks as lost
     from ignite_ext.distributed.liveness import beat_interval, heartbeat_timeout
 
+    source = member.origin if job.expected else RELAYED + member.origin
+    before: list[int] = []  # the ranks of the holders before this one, as found
     for place in range(member.place - 1, 0, -1):
         _check_not_lost(member.rank)
         holder = member.chain.holder(place, timeout=heartbeat_timeout())
-        if holder is None or holder.rank in lost():
+        if holder is None:
             continue
-        try:
-            receive(
-                (holder.host, holder.port),
-                member.secret,
-                member.chain.file,
-                partial,
-                member.origin,
-                alive=_alive(holder.rank),
-                slice_s=beat_interval(),
-                check=lambda: job.check_deadline(member.origin),
-            )
-        except RelayGone as exc:
-            if (failure := member.chain.failure()) is not None:
-                raise failure from None
-            logger.warning("relay: %s; turning to the holder before it", exc)
-            continue
-        if _verified(member, partial, job):
-            return True
-        logger.warning("relay: the copy from holder %d failed its check; starting over", place)
-        partial.restart()  # bytes that fail the check are of no use from any source
+        before.append(holder.rank)
+        for attempt in range(_RECONNECTS + 1):
+            if holder.rank in lost():
+                break
+            try:
+                receive(
+                    (holder.host, holder.port),
+                    member.secret,
+                    member.chain.file,
+                    partial,
+                    source,
+                    alive=_alive(holder.rank),
+                    slice_s=beat_interval(),
+                    check=lambda: job.check_deadline(member.origin),
+                )
+            except RelayGone as exc:
+                if (failure := member.chain.failure()) is not None:
+                    raise failure from None
+                logger.warning("relay: %s (try %d of %d)", exc, attempt + 1, _RECONNECTS + 1)
+                continue
+            if _verified(member, partial, job, before):
+                return True
+            logger.warning("relay: the copy from holder %d failed its check; starting over", place)
+            partial.restart()  # bytes that fail the check are of no use from any source
+            break
     if (failure := member.chain.failure()) is not None:
         raise failure
     _check_not_lost(member.rank)
+    if partial.url == source and not job.expected:
+        partial.restart()  # relayed bytes that no digest vouches for: the origin's copy starts from byte 0
     return False
 
 
@@ -214,22 +249,24 @@ def _alive(rank: int) -> Callable[[], bool]:
     return lambda: rank not in lost_ranks()
 
 
-def _verified(member: Member, partial: Partial, job: Job) -> bool:
-    """Whether the copy is the file: against the digest given, else the one the origin's holder posts."""
+def _verified(member: Member, partial: Partial, job: Job, before: list[int]) -> bool:
+    """Whether the copy is the file: against the digest given, else the one a holder that fetched it posts.
+
+    Waits for that digest while a holder before this one is alive and none of those fetching from the origin
+    gave up or stopped; ``job``'s deadline bounds the wait.
+    """
     from ignite_ext.distributed import lost_ranks
     from ignite_ext.distributed.liveness import beat_interval
 
     if job.expected:
         return mismatch(job.expected, partial.digests()) is None
-    while True:  # the origin's holder posts its digest once its own copy is published: about now
+    while True:  # the holder fetching from the origin posts its digest once its own copy is published: about now
         posted = member.chain.digest(timeout=beat_interval())
         if posted is not None:
             return posted == (partial.digests()["sha256"], partial.size)
-        if member.chain.failure() is not None:
-            return False
-        first = member.chain.holder(1, timeout=0.0)
-        if first is None or first.rank in lost_ranks():
-            return False  # nobody will post it: this copy cannot be checked; the origin's can
+        job.check_deadline(member.origin)
+        if member.chain.failure() is not None or member.chain.abandoned() or set(before) <= lost_ranks():
+            return False  # no digest is coming: this copy cannot be checked; the origin's can
 
 
 def hand_over(member: Member, partial: Partial, target: Path) -> None:
@@ -247,8 +284,17 @@ def hand_over(member: Member, partial: Partial, target: Path) -> None:
         member.chain.post_digest(partial.digests()["sha256"], partial.size)
 
 
-def gave_up(member: Member, exc: DownloadError) -> None:
-    """This holder gave up on the origin: every holder raises ``exc`` rather than try the origin again."""
+def gave_up(member: Member, exc: DownloadError | None) -> None:
+    """This holder stopped without a copy; ``exc``: the origin failed it, and every holder raises that error.
+
+    With ``exc`` None (a reason of its own: its disk, its deadline, an error of its process), the holders after
+    it turn to the holders before it or the origin, and wait for no digest from it.
+    """
     member.growing.end()
-    if member.from_origin:
-        member.chain.post_failure(exc)
+    if not member.from_origin:
+        return
+    with contextlib.suppress(OSError, RuntimeError):  # the store gone too: the block reports that
+        if exc is not None:
+            member.chain.post_failure(exc)
+        else:
+            member.chain.abandon()

@@ -253,11 +253,12 @@ def _lock_path(target: Path) -> Path:
 
 def _fetch(target: Path, urls: Sequence[str], job: Job) -> None:
     partial = claim(target, urls, set(job.expected))
-    relays = in_this_block()
-    # In a scheduled block of a job: serve these bytes to the holders after this one, take them from those before.
-    member = relays.join(target, urls, job, partial) if relays is not None else None
+    member = None
     published = False
     try:
+        relays = in_this_block()
+        # In a scheduled block of a job: serve these bytes to the holders after this one, take them from those before.
+        member = relays.join(target, urls, job, partial) if relays is not None else None
         with _no_space_is_a_download_error(urls[0], partial, target):
             if member is not None and not member.from_origin and from_relays(member, partial, job):
                 _publish(partial, target)
@@ -282,13 +283,13 @@ def _fetch(target: Path, urls: Sequence[str], job: Job) -> None:
             if isinstance(failure, DeadlinePassed):
                 break
         error = _combined(failures)
-        if member is not None:
-            gave_up(member, error)
+        if member is not None and not any(isinstance(f, DeadlinePassed | NoSpace) for f in failures):
+            gave_up(member, error)  # the origin's doing: every holder raises it, none asks the origin again
         raise error
     finally:
         if not published:
             if member is not None:
-                member.growing.end()
+                gave_up(member, None)  # for a reason of its own, if not the origin's (posted above)
             partial.close()
             park(partial, target, urls[0])
 
