@@ -28,7 +28,7 @@ overdue or ``timeout=`` is over: a request to a paused or cut-off host would oth
 While a rank waits, its heartbeat thread's beats are armed as well, so that a silent store is found within a beat
 and ``T`` although a slice is long.
 
-**Cost** per rank and block, nothing failing: about 12 requests plus 4 per slice waited (see the scheduling
+**Cost** per rank and block, nothing failing: about 11 requests plus 4 per slice waited (see the scheduling
 guide); per beat 2 requests; the last rank to enter additionally reads the N entries (one ``multi_get``), judges
 them and wakes the others (one ``multi_set``): nobody relays the entries to a fixed judge.
 
