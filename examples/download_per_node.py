@@ -1,10 +1,12 @@
-"""One download per node directory: ``SharedPath`` finds which ranks share a directory, one of them fetches.
+"""One copy per node directory, one fetch per job: ``SharedPath`` finds which ranks share a directory.
 
 Every rank runs ``download_url(..., extract=True)`` inside ``idist.rank_scheduler(order=idist.SharedPath(root))``:
-the ranks that see the same directory on the filesystem form a group, its lowest rank (the leader) fetches and
-extracts first, and the others then find the verified, extracted copy. The yielded ``Turn`` says which group a rank
-is in and who leads it. Here two simulated nodes of 2 ranks each get a directory each, so the server sends the
-archive twice, once per directory, instead of once per rank.
+the ranks that see the same directory on the filesystem form a group, its lowest rank (the leader) makes the
+directory's copy and extracts it first, and the others then find the verified, extracted copy. The yielded ``Turn``
+says which group a rank is in and who leads it. Here two simulated nodes of 2 ranks each get a directory each; the
+leaders chain up inside the block (``download_url`` relays there), so the server sends the archive once for the
+job: one leader fetches it, the other receives it from that leader while it downloads. With
+``IGNITE_EXT_RELAY=0`` it would send it twice, once per directory.
 
 Offline: the script makes a small archive and serves it on 127.0.0.1.
 

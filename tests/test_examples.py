@@ -80,14 +80,14 @@ def test_download_first_rank_failure_reaches_the_other_ranks() -> None:
     assert "sent 0 bytes" in out
 
 
-def test_download_per_node_fetches_once_per_directory() -> None:
+def test_download_per_node_makes_a_copy_per_directory_and_fetches_once_per_job() -> None:
     out = run_example("download_per_node.py", "--nproc", "4", "--start-method", "fork")
     for rank in range(4):
         node, leader = rank // 2, rank // 2 * 2
         group = [leader, leader + 1]
         expected = f"rank {rank}: node{node}/ group {group} leader {leader} first={rank == leader};"
         assert expected in out, out
-    assert re.search(r"^server sent \d+ bytes: 2\.00 archives", out, re.M), out
+    assert re.search(r"^server sent \d+ bytes: 1\.00 archives", out, re.M), out
 
 
 @pytest.mark.parametrize("extra", [(), ("--node", "--start-method", "fork")], ids=["rank-cache", "node-cache"])

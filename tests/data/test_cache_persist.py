@@ -172,6 +172,9 @@ def test_a_node_cache_persists_for_the_next_job_of_the_node(world: World, tmp_pa
 
 
 @pytest.mark.distributed  # DataLoader workers
+# About 2 minutes alone on two cores (new DataLoader workers for every epoch of every variant, and the peers' jobs):
+# the default 180 s bound leaves no room for a loaded machine.
+@pytest.mark.timeout(600)
 def test_the_warm_restart_benchmark_runs_and_the_next_job_reads_only_its_checks() -> None:
     from benchmarks import bench_warm
 

@@ -84,7 +84,7 @@ def _relays_open(url: str, sha256: str | None) -> int:
 
     chain = Chain(idist.job_store(), file_id(url, "a.bin", {"sha256": sha256} if sha256 else {}))
     joined = int(chain.store.add(f"{chain.prefix}/holders", 0))
-    holders = [chain.holder(place, timeout=0.0) for place in range(1, joined + 1)]
+    holders = [chain.holder(place, timeout=30.0) for place in range(1, joined + 1)]  # set: the wait returns at once
     open_ = 0
     for holder in holders:
         assert holder is not None
@@ -347,10 +347,14 @@ def test_mirrors_parallel_ranges_and_extraction_keep_working(world: World, tmp_p
         results = world(body_archive, server.url("/gone/big.tar"), mirror, str(tmp_path), env=ENV)
         assert {r["sha"] for r in results} == {hashlib.sha256(payload).hexdigest()}
         assert len({r["dir"] for r in results}) == 4  # each host's own extraction
-        # Once, over several ranges: the first request's body is cut where the first range ends, and what the
-        # server had written into the socket by then counts too (a few TCP buffers), as for any parallel fetch.
-        assert len(archive) <= server.bytes_served("/big.tar") < 1.01 * len(archive), server.requests("/big.tar")
-        assert len(server.requests("/big.tar")) > 1
+        # Once, over several ranges, all asked by the origin's holder: one whole-body request cut where the first
+        # range ends (what the server had written into the socket by then counts too: TCP buffers, more on a
+        # loaded machine), then disjoint ranges for the rest; nothing asked twice.
+        requests = server.requests("/big.tar")
+        assert [r.status for r in requests].count(200) == 1 and 2 <= len(requests) <= 4, requests
+        starts = sorted(int(r.range.split("=")[1].split("-")[0]) for r in requests if r.range is not None)
+        ends = sorted(int(r.range.split("-")[1]) for r in requests if r.range is not None)
+        assert all(e < s for e, s in zip(ends, starts[1:], strict=False)) and ends[-1] == len(archive) - 1, requests
         assert len(server.requests("/gone/big.tar")) == 1  # only the origin's holder asked the dead URL
 
 
