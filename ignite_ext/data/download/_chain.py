@@ -12,10 +12,11 @@ hashes the file's first URL, name and expected digests:
     secret              the first holder to ask (compare_set) 32 random bytes, hex: the relays' shared secret
     at/<p>              holder p, before it fetches           its rank and its relay's address (JSON)
     failed              a holder the origin failed (once)     the error (JSON): every holder raises it
-    abandoned           a holder fetching from the origin     "1": it stopped for a reason of its own (its disk,
-                        that stopped without a copy           its deadline): no digest is coming from it
-    sha256              the first holder fetching from the    the file's SHA-256 and size, checked by every
-                        origin to publish (compare_set)       relayed copy
+    outcome             the first holder fetching from the    the file's SHA-256 and size, checked by every
+                        origin to publish or stop             relayed copy; or "failed" (the origin failed it), or
+                        (compare_set)                         "abandoned" (it stopped for a reason of its own: its
+                                                              disk, its deadline): no digest is coming. One key,
+                                                              so that a holder waits on it alone, polling nothing
 
 The store is the trust boundary: whoever can reach it can read the secret and post a digest, as they can already
 take part in the process group's rendezvous.
@@ -96,11 +97,12 @@ class Chain:
         return Holder(place, int(rank), str(host), int(port))
 
     def post_failure(self, exc: DownloadError) -> None:
-        """The origin's holder gave up: every holder raises this error."""
+        """The origin failed the holder fetching from it: every holder raises this error."""
         record: dict[str, Any] = {"message": str(exc), "url": exc.url, "status": exc.status}
         if isinstance(exc, ChecksumError):
             record["checksum"] = [exc.algorithm, exc.expected, exc.actual]
         self.store.compare_set(f"{self.prefix}/failed", "", json.dumps(record))
+        self.store.compare_set(f"{self.prefix}/outcome", "", json.dumps("failed"))
 
     def failure(self) -> DownloadError | None:
         """The error the origin's holder gave up with, if it did (one ``check``), as a new error of its type."""
@@ -116,22 +118,23 @@ class Chain:
 
     def abandon(self) -> None:
         """A holder fetching from the origin stopped without a copy, for a reason of its own."""
-        self.store.set(f"{self.prefix}/abandoned", "1")
-
-    def abandoned(self) -> bool:
-        return bool(self.store.check([f"{self.prefix}/abandoned"]))
+        self.store.compare_set(f"{self.prefix}/outcome", "", json.dumps("abandoned"))
 
     def post_digest(self, sha256: str, size: int) -> None:
-        """The digest of a copy that came from the origin (the first posted stands)."""
-        self.store.compare_set(f"{self.prefix}/sha256", "", json.dumps([sha256, size]))
+        """The digest of a copy that came from the origin (the first outcome posted stands)."""
+        self.store.compare_set(f"{self.prefix}/outcome", "", json.dumps([sha256, size]))
 
-    def digest(self, timeout: float) -> tuple[str, int] | None:
-        """The SHA-256 and size of a published copy from the origin (None if not posted within ``timeout``)."""
-        key = f"{self.prefix}/sha256"
+    def outcome(self, timeout: float) -> tuple[str, int] | str | None:
+        """What the holder fetching from the origin posted: its copy's digest, or why none is coming.
+
+        ``(SHA-256, size)``, ``"failed"`` or ``"abandoned"``; None if nothing is posted within ``timeout`` (one
+        server-side wait).
+        """
+        key = f"{self.prefix}/outcome"
         if not self._wait(key, timeout):
             return None
-        sha256, size = json.loads(bytes(self.store.get(key)))
-        return str(sha256), int(size)
+        posted = json.loads(bytes(self.store.get(key)))
+        return posted if isinstance(posted, str) else (str(posted[0]), int(posted[1]))
 
     def _wait(self, key: str, timeout: float) -> bool:
         """Whether ``key`` is set within ``timeout`` (one server-side wait); a lost store still raises."""

@@ -261,12 +261,14 @@ def _verified(member: Member, partial: Partial, job: Job, before: list[int]) -> 
     if job.expected:
         return mismatch(job.expected, partial.digests()) is None
     while True:  # the holder fetching from the origin posts its digest once its own copy is published: about now
-        posted = member.chain.digest(timeout=beat_interval())
-        if posted is not None:
+        posted = member.chain.outcome(timeout=beat_interval())  # one wait on one key per slice: no polling
+        if isinstance(posted, tuple):
             return posted == (partial.digests()["sha256"], partial.size)
+        if posted is not None:
+            return False  # "failed" or "abandoned": no digest is coming; this copy cannot be checked
         job.check_deadline(member.origin)
-        if member.chain.failure() is not None or member.chain.abandoned() or set(before) <= lost_ranks():
-            return False  # no digest is coming: this copy cannot be checked; the origin's can
+        if set(before) <= lost_ranks():
+            return False  # every holder that could post it is lost (learnt without a request)
 
 
 def hand_over(member: Member, partial: Partial, target: Path) -> None:
