@@ -214,20 +214,27 @@ def test_arguments_that_differ_between_ranks_are_an_error_on_every_rank(
 # ------------------------------------------------------------------------------------------- the wire, in-process
 
 
-@pytest.fixture
-def relay() -> Iterator[tuple[RelayServer, bytes]]:
+@contextlib.contextmanager
+def _serving(data: bytes, secret: bytes) -> Iterator[RelayServer]:
+    """A relay serving ``data``, complete, as version ``"v1"`` of file ``file-1``."""
     with tempfile.TemporaryFile() as f:
-        f.write(DATA)
+        f.write(data)
         f.flush()
         growing = Growing()
-        growing.start(Version(len(DATA), '"v1"', None), f.fileno(), len(DATA))
+        growing.start(Version(len(data), '"v1"', None), f.fileno(), len(data))
         growing.end()
-        secret = os.urandom(32)
         server = RelayServer(growing, secret, "file-1", "127.0.0.1", io_timeout=5.0)
         try:
-            yield server, secret
+            yield server
         finally:
             server.stop()
+
+
+@pytest.fixture
+def relay() -> Iterator[tuple[RelayServer, bytes]]:
+    secret = os.urandom(32)
+    with _serving(DATA, secret) as server:
+        yield server, secret
 
 
 def test_a_client_without_the_secret_gets_no_byte(relay: tuple[RelayServer, bytes]) -> None:
@@ -416,26 +423,17 @@ def test_a_relay_serving_wrong_bytes_is_caught_by_the_digest(tmp_path: Path, giv
     wrong[len(wrong) // 2] ^= 0xFF
     chain = Chain(dist.HashStore(), "file-1")
     secret = chain.secret()
-    with tempfile.TemporaryFile() as f:
-        f.write(wrong)
-        f.flush()
-        growing = Growing()
-        growing.start(Version(len(DATA), '"v1"', None), f.fileno(), len(DATA))
-        growing.end()
-        server = RelayServer(growing, secret, "file-1", "127.0.0.1", io_timeout=5.0)
-        try:
-            chain.post(Holder(chain.join(), 0, *server.address))
-            if not given:
-                chain.post_digest(SHA, len(DATA))  # what the origin's holder posts of its own, right, copy
-            place = chain.join()
-            partial = _partial(tmp_path)
-            mine = Growing()
-            member = Member(chain, place, secret, mine, server, "http://origin/a.bin", 1)
-            job = Job({"sha256": SHA} if given else {}, timeout=5.0, retries=0, progress=False, ends_at=None)
-            assert from_relays(member, partial, job) is False  # no holder gave a verified copy: the origin's turn
-            assert partial.size == 0  # the wrong bytes are gone
-        finally:
-            server.stop()
+    with _serving(bytes(wrong), secret) as server:
+        chain.post(Holder(chain.join(), 0, *server.address))
+        if not given:
+            chain.post_digest(SHA, len(DATA))  # what the origin's holder posts of its own, right, copy
+        place = chain.join()
+        partial = _partial(tmp_path)
+        mine = Growing()
+        member = Member(chain, place, secret, mine, server, "http://origin/a.bin", 1)
+        job = Job({"sha256": SHA} if given else {}, timeout=5.0, retries=0, progress=False, ends_at=None)
+        assert from_relays(member, partial, job) is False  # no holder gave a verified copy: the origin's turn
+        assert partial.size == 0  # the wrong bytes are gone
 
 
 def body_retry_after_failure(url: str, base: str) -> dict[str, Any]:
