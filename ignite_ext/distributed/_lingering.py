@@ -8,7 +8,7 @@ from __future__ import annotations
 import atexit
 from datetime import timedelta
 
-from ignite_ext.distributed._store import BlockKeys, Store
+from ignite_ext.distributed._store import BlockKeys, Store, check
 from ignite_ext.distributed.liveness.settings import heartbeat_timeout
 
 __all__ = ["Lingering"]
@@ -46,7 +46,7 @@ class Lingering:
             return
         held, keys, _ = pending
         try:
-            if held is store or held.check([keys.acked]):
+            if held is store or check(held, [keys.acked]):
                 cls.pending = None
         except Exception:
             cls.pending = None  # the store is gone: nothing left to protect

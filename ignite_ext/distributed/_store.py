@@ -46,30 +46,44 @@ every rank entered it, which proves every rank left block ``seq``. So at most tw
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import secrets
 import threading
 import weakref
+from datetime import timedelta
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # torch declares it in the stub of its extension, and exports it as torch.distributed.Store
-    from torch._C._distributed_c10d import Store
+import torch.distributed
+
+if TYPE_CHECKING:  # torch declares them in the stub of its extension, and exports them from torch.distributed
+    from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 else:
-    from torch.distributed import Store
+    from torch.distributed import PrefixStore, Store, TCPStore
 
 __all__ = [
     "CUTS_KEY",
+    "NAMESPACE_KEY",
     "PHASES",
     "BlockKeys",
+    "Endpoint",
     "Store",
+    "StoreError",
     "ack",
+    "check",
     "client_of_this_thread",
     "clone",
     "cut_key",
     "default_store",
+    "endpoint",
     "forget_client_of_this_thread",
+    "group_store",
     "heartbeat_key",
+    "namespaced",
     "put",
     "put_once",
     "read",
+    "timed_out",
 ]
 
 _ROOT = "ignite_ext"
@@ -168,18 +182,19 @@ class BlockKeys:
         return [*own, *shared] if rank == 0 else own
 
 
-def default_store() -> Store | None:
-    """The default process group's store, or None when there is none (not initialised, or torch hides it).
+def group_store() -> Store | None:
+    """The store torch made for the default process group, or None (not initialised, or torch hides it).
 
     torch has no public way to reach it: this is the one place that uses the private
     ``torch.distributed.distributed_c10d._get_default_store``, and a test fails if torch renames or changes it.
+    The package's own traffic goes through :func:`default_store`, which is made from it.
 
     Examples:
-        >>> from ignite_ext.distributed._store import default_store
-        >>> default_store() is None  # no process group in this process
+        >>> from ignite_ext.distributed._store import group_store
+        >>> group_store() is None  # no process group in this process
         True
 
-    .. versionadded:: 0.2.0
+    .. versionadded:: 0.4.0
     """
     from torch.distributed import distributed_c10d
 
@@ -189,6 +204,149 @@ def default_store() -> Store | None:
         return distributed_c10d._get_default_store()
     except (AttributeError, ValueError, RuntimeError):
         return None
+
+
+def default_store() -> Store | None:
+    """The package's store for the default process group: :func:`namespaced` :func:`group_store`, or None.
+
+    Examples:
+        >>> from ignite_ext.distributed._store import default_store
+        >>> default_store() is None  # no process group in this process
+        True
+
+    .. versionadded:: 0.2.0
+    """
+    store = group_store()
+    return None if store is None else namespaced(store)
+
+
+#: Where the processes of a group agree on the namespace of the package's keys (in the group's own store).
+NAMESPACE_KEY = f"{_ROOT}/namespace"
+
+
+@dataclasses.dataclass(frozen=True)
+class Endpoint:
+    """How to open another client of a TCPStore: its server, and the prefix of the package's keys there."""
+
+    host: str
+    port: int
+    prefix: str  # as PrefixStore takes it ("" for none); on the wire, keys read "/<prefix>/<key>"
+    timeout: timedelta
+
+    def connect(self) -> Store:
+        """A new client (a connection of its own) to the server, under the prefix."""
+        client = TCPStore(self.host, self.port, is_master=False, timeout=self.timeout, wait_for_workers=False)
+        return client if not self.prefix else PrefixStore(self.prefix, client)
+
+    @property
+    def wire_prefix(self) -> str:
+        """What a wire client puts before the package's keys (after TCPStore's own leading ``/``)."""
+        return f"{self.prefix}/" if self.prefix else ""
+
+
+# The package's clients, and how to open more of them. Weak: a destroyed group's store must be free to go.
+_ENDPOINTS: weakref.WeakKeyDictionary[Store, Endpoint] = weakref.WeakKeyDictionary()
+_NAMESPACED: weakref.WeakKeyDictionary[Store, Store] = weakref.WeakKeyDictionary()
+_GUARD = threading.Lock()
+
+
+def _innermost(store: Store) -> Store:
+    while hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    return store
+
+
+def endpoint(store: Store) -> Endpoint | None:
+    """How to open another client of ``store``: known for :func:`namespaced` stores and bare TCPStores, else None.
+
+    Examples:
+        >>> import datetime
+        >>> import torch.distributed as dist
+        >>> from ignite_ext.distributed._store import endpoint
+        >>> server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=5), wait_for_workers=False)
+        >>> endpoint(server).port == server.port, endpoint(dist.PrefixStore("p", server)), endpoint(dist.HashStore())
+        (True, None, None)
+
+    .. versionadded:: 0.4.0
+    """
+    known = _ENDPOINTS.get(store)
+    if known is not None:
+        return known
+    host, port = getattr(store, "host", None), getattr(store, "port", None)
+    if isinstance(host, str) and isinstance(port, int):
+        return Endpoint(host, port, "", store.timeout)  # type: ignore[attr-defined]
+    return None
+
+
+def namespaced(store: Store) -> Store:
+    """The package's own client of the TCPStore behind ``store``, its keys under a namespace of this group's.
+
+    torch's clients of a group's store are not the package's to block: a ``wait`` holds its client's lock, and
+    ``Store.clone`` (a client of one's own) exists only in newer torch. So the package opens its own connections
+    to the server (:class:`Endpoint`), whatever the torch, and puts its keys under ``ignite_ext-<token>``, where
+    the token is the first proposal of the group's processes, written once in the group's own store (one
+    ``compare_set`` per process and group): a group restarted on the same server (torchrun's next attempt) has
+    other keys under torch's prefix, so another token, and reads nothing of the attempt before it. A store not
+    served by a TCPStore (a ``HashStore``, a ``FileStore``) is used as it is.
+
+    Examples:
+        >>> import datetime
+        >>> import torch.distributed as dist
+        >>> from ignite_ext.distributed._store import namespaced, read
+        >>> server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=5), wait_for_workers=False)
+        >>> group = dist.PrefixStore("default_pg", server)
+        >>> ours = namespaced(group)
+        >>> ours is namespaced(group), namespaced(dist.PrefixStore("default_pg", server)) is ours
+        (True, False)
+        >>> ours.set("k", "v"); token = read(group, "ignite_ext/namespace").decode()
+        >>> server.get(f"ignite_ext-{token}/k")
+        b'v'
+
+    .. versionadded:: 0.4.0
+    """
+    with _GUARD:
+        ours = _NAMESPACED.get(store)
+        if ours is not None or store in _ENDPOINTS:
+            return ours or store
+        served = endpoint(_innermost(store))
+        if served is None:
+            ours = store
+        else:
+            proposal = secrets.token_hex(8).encode()
+            token = bytes(store.compare_set(NAMESPACE_KEY, "", proposal)).decode()  # type: ignore[arg-type]
+            place = dataclasses.replace(served, prefix=f"{_ROOT}-{token}")
+            try:
+                ours = place.connect()
+            except (RuntimeError, OSError, ValueError):  # the server is unreachable by its address from here
+                ours = store
+            else:
+                _ENDPOINTS[ours] = place
+        _NAMESPACED[store] = ours
+        return ours
+
+
+def _forget_namespaces() -> None:
+    _NAMESPACED.clear()  # a forked child must not share its parent's connections: it opens its own when asked
+
+
+os.register_at_fork(after_in_child=_forget_namespaces)
+
+
+#: The error torch's stores raise (``DistStoreError`` from torch 2.2 on; a plain ``RuntimeError`` before).
+StoreError: type[RuntimeError] = getattr(torch.distributed, "DistStoreError", RuntimeError)
+
+
+def timed_out(exc: BaseException) -> bool:
+    """Whether a store error is a ``wait`` that timed out (any torch: the error's type changed, its words did not).
+
+    Examples:
+        >>> from ignite_ext.distributed._store import timed_out
+        >>> timed_out(RuntimeError("Socket Timeout")), timed_out(RuntimeError("Connection reset by peer"))
+        (True, False)
+
+    .. versionadded:: 0.4.0
+    """
+    return isinstance(exc, RuntimeError) and "timeout" in str(exc).lower()
 
 
 # pybind's Store takes bytes wherever its stub says str: values here are bytes, so the casts live in these three.
@@ -210,6 +368,26 @@ def read(store: Store, key: str) -> bytes | None:
     """
     value = bytes(store.compare_set(key, _ABSENT, "-"))
     return None if value == _ABSENT.encode() else value
+
+
+def check(store: Store, keys: list[str]) -> bool:
+    """Whether every key of ``keys`` is set: one ``check``, or one read per key where the store has none.
+
+    torch 2.1's Python stores lack ``check``: there the reads cost ``len(keys)`` requests (only paths of failures
+    ask).
+
+    Examples:
+        >>> import torch.distributed as dist
+        >>> from ignite_ext.distributed._store import check
+        >>> store = dist.HashStore(); store.set("a", "1")
+        >>> check(store, ["a"]), check(store, ["a", "b"])
+        (True, False)
+
+    .. versionadded:: 0.4.0
+    """
+    if hasattr(store, "check"):
+        return bool(store.check(keys))
+    return all(read(store, key) is not None for key in keys)
 
 
 def put_once(store: Store, key: str, value: bytes) -> bool:
@@ -245,8 +423,25 @@ def ack(store: Store, acks: str, acked: str, expected: int) -> None:
 def clone(store: Store) -> Store:
     """A client of its own to ``store`` (a blocked ``wait`` holds its client's lock), or ``store`` itself.
 
+    A new connection where :func:`endpoint` knows the server (any torch), else torch's ``Store.clone`` where
+    it has one, else ``store`` itself (a ``HashStore``: one process, nothing to block).
+
+    Examples:
+        >>> import datetime
+        >>> import torch.distributed as dist
+        >>> from ignite_ext.distributed._store import clone
+        >>> server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=5), wait_for_workers=False)
+        >>> other = clone(server); other.set("k", "v"); other is server, server.get("k")
+        (False, b'v')
+
     .. versionadded:: 0.3.0
     """
+    place = endpoint(store)
+    if place is not None:
+        client = place.connect()
+        if place.prefix:
+            _ENDPOINTS[client] = place
+        return client
     try:
         return store.clone()  # type: ignore[attr-defined,no-any-return]
     except (AttributeError, RuntimeError):  # a store that cannot be cloned (HashStore): share it

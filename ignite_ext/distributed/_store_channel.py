@@ -45,8 +45,6 @@ from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import TypeVar
 
-import torch.distributed
-
 from ignite_ext.distributed._channel import Channel, decode_failures, encode_failures, log
 from ignite_ext.distributed._lingering import Lingering
 from ignite_ext.distributed._state import GroupState
@@ -54,12 +52,15 @@ from ignite_ext.distributed._steps import store_port, watchdog, watchdog_enabled
 from ignite_ext.distributed._store import (
     BlockKeys,
     Store,
+    StoreError,
     ack,
+    check,
     client_of_this_thread,
     forget_client_of_this_thread,
     put,
     put_once,
     read,
+    timed_out,
 )
 from ignite_ext.distributed.liveness import Cut, Heartbeat, beat_interval, heartbeat_timeout, log_interval
 from ignite_ext.distributed.policies import Plan
@@ -238,8 +239,8 @@ class StoreChannel(Channel):
             self._expect_answer_within(wait_s)
             try:
                 self.client.wait([wake], timedelta(seconds=wait_s))
-            except torch.distributed.DistStoreError as exc:
-                if "timeout" not in str(exc).lower():
+            except StoreError as exc:
+                if not timed_out(exc):
                     raise
                 # The tick did not come (the heartbeat thread is gone): a slice all the same.
             finally:
@@ -281,7 +282,7 @@ class StoreChannel(Channel):
             self.heartbeat.tick(wake, left)  # ended at once by a cut: the heartbeat thread wakes ticked waiters
             if not self.heartbeat.cuts():
                 self._expect_answer_within(left + 5.0)
-                with contextlib.suppress(torch.distributed.DistStoreError):
+                with contextlib.suppress(StoreError):
                     self.client.wait([wake], timedelta(seconds=left + 5.0))
             self.heartbeat.untick(wake)
             self.client.delete_key(wake)
@@ -406,7 +407,7 @@ class StoreChannel(Channel):
         into ``complete`` (one O(N) read, by the rank that finds the block over): the others read that one key.
         """
         outcomes = [self.keys.outcome(r) for r in range(self.world_size)]
-        if not self.client.check(outcomes):
+        if not check(self.client, outcomes):
             return False
         failures = {f for outcome in self.client.multi_get(outcomes) for f in decode_failures(bytes(outcome))}
         if put_once(self.client, self.keys.complete, encode_failures(sorted(failures, key=lambda f: f.rank))):

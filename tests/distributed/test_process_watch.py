@@ -4,6 +4,7 @@ hold from a death, and reports a death on a live host at once, not after the hea
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import os
 import signal
@@ -16,9 +17,10 @@ import torch
 import torch.distributed as dist
 
 import ignite_ext.distributed as idist
-from ignite_ext.distributed._store import cut_key, default_store, read
-from ignite_ext.distributed.liveness.keeper import WireStore, process_identity, running
+from ignite_ext.distributed._store import NAMESPACE_KEY, clone, cut_key, default_store, namespaced, read
+from ignite_ext.distributed.liveness.keeper import process_identity, running
 from ignite_ext.distributed.liveness.watch import CutListener, wire_address
+from ignite_ext.distributed.store.wire import FLAVOURS, WireStore, prove
 from tests._world import World
 
 pytestmark = pytest.mark.timeout(240)
@@ -157,19 +159,26 @@ def test_the_wire_client_speaks_torchs_tcpstore() -> None:
     import datetime
 
     server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=5), wait_for_workers=False)
-    group = dist.PrefixStore("default_pg", dist.PrefixStore("0", server))
+    torchs = dist.PrefixStore("default_pg", dist.PrefixStore("0", server))
+    group = namespaced(torchs)  # the package's own client, its keys under the group's namespace
+    assert group is not torchs and namespaced(torchs) is group
+    token = read(torchs, NAMESPACE_KEY)
+    assert token is not None
     group.set("ignite_ext/cuts", "0")
-    address = wire_address(group, rank=0)
-    assert address is not None and address[2] == "0/default_pg/"
-    wire = WireStore(*address, timeout=5.0)
+    address, why = wire_address(group)
+    assert address is not None, why
+    assert address[2] == f"ignite_ext-{token.decode()}/" and address[3] in FLAVOURS
+    host, port, prefix, flavour = address
+    wire = WireStore(host, port, prefix, timeout=5.0, flavour=flavour)
     assert wire.add("ignite_ext/hb/1", 5) == 5 and group.add("ignite_ext/hb/1", 1) == 6
     assert wire.compare_set("k", b"", b"v") == b"v" and group.get("k") == b"v"
     assert wire.compare_set("k", b"x", b"w") == b"v" and wire.read("k") == b"v" and wire.read("absent") is None
+    assert wire.check(["k"]) and not wire.check(["k", "absent"]) and wire.get("k") == b"v"
     wire.set("s", b"ab")
     assert group.get("s") == b"ab"
-    assert group.get("ignite_ext/wire_prefix") == b"p:0/default_pg/"  # published for the other ranks
-    assert wire_address(dist.PrefixStore("default_pg", dist.PrefixStore("0", server)), rank=3) == address
-    waiter = WireStore(*address, timeout=None)
+    # Another process of the group (another torch store object over the same server) joins the same namespace.
+    assert wire_address(namespaced(dist.PrefixStore("default_pg", dist.PrefixStore("0", server))))[0] == address
+    waiter = WireStore(host, port, prefix, timeout=None, flavour=flavour)
     done = threading.Event()
     threading.Thread(target=lambda: (waiter.wait(["late"]), done.set()), daemon=True).start()
     time.sleep(0.2)
@@ -178,10 +187,11 @@ def test_the_wire_client_speaks_torchs_tcpstore() -> None:
     assert done.wait(5)
     wire.close()
     waiter.close()
-    assert wire_address(dist.HashStore(), rank=0) is None
+    assert wire_address(dist.HashStore())[0] is None
     # Another prefix (or another protocol) is caught before anything relies on it: no process watching then.
+    assert prove(host, port, "another/", group, "ignite_ext/proof/x")[0] is None
     with pytest.raises(ValueError, match="does not read"):
-        CutListener((address[0], address[1], "another/"), b"0", 1, lambda index: None)
+        CutListener((host, port, "another/", flavour), b"0", 1, lambda index: None)
     heard: list[int] = []
     listener = CutListener(address, b"0", 1, heard.append)
     group.set("ignite_ext/cut/1", "0|3.000|2")
@@ -191,6 +201,26 @@ def test_the_wire_client_speaks_torchs_tcpstore() -> None:
         time.sleep(0.01)
     listener.close()
     assert heard == [1, 2]
+
+
+def test_a_thread_blocked_in_a_wait_never_blocks_another_threads_requests() -> None:
+    # torch before 2.6 has no Store.clone: a waiter and the heartbeat shared one client, and a beat queued behind
+    # a long wait (healthy ranks declared dead). The package's clients are connections of their own on any torch.
+    import datetime
+
+    server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=30), wait_for_workers=False)
+    group = namespaced(dist.PrefixStore("default_pg", server))
+    waiter, beater = clone(group), clone(group)
+    blocked = threading.Thread(target=lambda: waiter.wait(["never"], datetime.timedelta(seconds=3)), daemon=True)
+    with contextlib.suppress(RuntimeError):
+        blocked.start()
+        time.sleep(0.2)
+        start = time.monotonic()
+        for _ in range(5):
+            beater.add("ignite_ext/hb/0", 1)
+        assert time.monotonic() - start < 2.0, "a request waited behind another thread's wait"
+        assert group.add("ignite_ext/hb/0", 0) == 5
+    blocked.join(10)
 
 
 def test_what_a_keeper_sees_of_a_process() -> None:
@@ -214,18 +244,23 @@ def test_what_a_keeper_sees_of_a_process() -> None:
 
 
 def body_forks_then_waits_for_a_death(kill_at: float) -> dict[str, Any]:
+    from ignite_ext.distributed.liveness.heartbeat import Heartbeat
+
+    def listening() -> list[bool]:
+        return [hb._listener is not None and hb._listener._thread.is_alive() for hb in Heartbeat._instances.values()]
+
     with idist.one_rank_first():
         pass
+    deadline = time.monotonic() + 30
+    while listening() != [True] and time.monotonic() < deadline:  # up before the fork: the fork is what is tested
+        time.sleep(0.05)
     child = os.fork()
     if child == 0:  # a normal exit's handlers, as a user's forked helper runs them (not the test harness's reply)
         atexit._run_exitfuncs()
         os._exit(0)
     os.waitpid(child, 0)
     time.sleep(0.2)
-    from ignite_ext.distributed.liveness.heartbeat import Heartbeat
-
-    listening = [hb._listener is not None and hb._listener._thread.is_alive() for hb in Heartbeat._instances.values()]
-    return {**body_waits_for_a_death([2], kill_at, 8.0), "listening": listening}
+    return {**body_waits_for_a_death([2], kill_at, 8.0), "listening": listening()}
 
 
 def test_a_forked_child_ending_normally_leaves_its_parents_watching_alone(world: World) -> None:

@@ -37,9 +37,11 @@ from ignite_ext.distributed._store import (
     CUTS_KEY,
     Store,
     ack,
+    check,
     clone,
     cut_key,
     default_store,
+    group_store,
     heartbeat_key,
     put,
     put_once,
@@ -96,8 +98,7 @@ class Heartbeat:
         self._heard = 0  # the highest cut number the listener saw posted (its counter may move a moment later)
         self._keeper: KeeperHandle | None = None
         self._listener: CutListener | None = None
-        self._watch_tries = _WATCH_TRIES if start and process_watch() else 0
-        self._next_try = 0.0  # when _start_watching tries again (monotonic)
+        self._watching = start and process_watch()  # the keeper and the listener are still to start
         self._ended = threading.Lock()
         put_once(self._client, CUTS_KEY, b"0")
         self._beat()
@@ -203,7 +204,7 @@ class Heartbeat:
         """Every other live rank's counter: one ``multi_get`` (per-key reads if some counter was never made)."""
         ranks = [r for r in range(self._detector.world_size) if r != self.rank and r not in self._detector.dead]
         keys = [heartbeat_key(r) for r in ranks]
-        if self._client.check(keys):
+        if check(self._client, keys):
             values = [int(v) for v in self._client.multi_get(keys)]
             return dict(zip(ranks, values, strict=True))
         beats = {}
@@ -249,20 +250,12 @@ class Heartbeat:
                 put(self._client, key, b"t")
 
     def _start_watching(self) -> None:
-        """Start the keeper and the cut listener once the store's wire address is known (rank 0 publishes it).
-
-        Rank 0 publishes it as its group forms, as the others look for it: they look again after 0.1 s, then
-        after twice as long each time (at most a beat), :data:`_WATCH_TRIES` times in all (one read each).
-        """
-        if not self._watch_tries or time.monotonic() < self._next_try:
+        """Start the keeper and the cut listener, where the store's wire address is known and proven (once)."""
+        self._watching = False
+        address, why = wire_address(self._client)
+        if address is None:  # detection by silence alone
+            _log.info("ignite_ext: rank %d runs no keeper and no cut listener: %s", self.rank, why)
             return
-        self._watch_tries -= 1
-        address = wire_address(self._client, self.rank)
-        if address is None:
-            tried = _WATCH_TRIES - self._watch_tries
-            self._next_try = time.monotonic() + min(self._every, 0.1 * 2 ** (tried - 1))
-            return
-        self._watch_tries = 0
         proof = read(self._client, CUTS_KEY)
         try:
             self._listener = CutListener(address, proof or b"", len(self._cuts) + 1, self._on_cut)
@@ -316,10 +309,9 @@ class Heartbeat:
         next_beat = time.monotonic() + self._every
         while True:
             try:
-                until_tick = self._fire_ticks()
-                if self._watch_tries:
+                if self._watching:
                     self._start_watching()
-                    until_tick = min(until_tick, max(0.0, self._next_try - time.monotonic()))
+                until_tick = self._fire_ticks()
                 wait = min(until_tick, max(0.0, next_beat - time.monotonic()))
                 with self._lock:
                     self._sleeps_until = time.monotonic() + wait
@@ -349,8 +341,6 @@ class Heartbeat:
             dog.disarm(token)
 
 
-#: How often a rank other than 0 looks for the wire prefix rank 0 publishes, before it does without a keeper.
-_WATCH_TRIES = 16
 _STOPPING = threading.Event()
 _RUNNING: weakref.WeakSet[Heartbeat] = weakref.WeakSet()
 
@@ -410,7 +400,7 @@ def watch_for_groups() -> bool:
 
 def _after_fork() -> None:
     _WATCHING.clear()  # the thread did not come along
-    if default_store() is None:
+    if group_store() is None:
         _WATCHING.set()
         threading.Thread(target=_watch, name="ignite_ext-group-watch", daemon=True).start()
 

@@ -15,9 +15,11 @@ other ranks cannot, because it runs on the rank's host and needs no GIL of the r
   dead as before, and so is one whose host is lost or cut off (its keeper with it).
 
 The keeper imports nothing but the standard library (about 10 MB and 20 ms to start, not torch's seconds): it
-talks to the group's TCPStore with :class:`WireStore`, a client of the TCPStore protocol. The protocol is
-torch's, not a public one: the rank checks the keeper's first request through torch's own client, and without
-that proof (another torch, another store) no keeper runs and detection is the heartbeat's alone.
+talks to the group's TCPStore with :class:`~ignite_ext.distributed.store.wire.WireStore` (loaded by its path), a
+client of torch's private protocol. The rank proves every opcode the keeper uses against torch's own client
+before it starts one (:func:`~ignite_ext.distributed.store.wire.prove`), and passes it the flavour it proved;
+without that proof (another torch, another store) no keeper runs, the rank logs why, and detection is the
+heartbeat's alone.
 
 The keeper's costs: no store request while its rank beats; one ``add`` per beat while its rank is silent; on a
 death, about ``4 + 2 L + c`` requests (``L`` ranks on the host, ``c`` cuts so far).
@@ -27,119 +29,34 @@ death, about ``4 + 2 L + c`` requests (``L`` ranks on the host, ``c`` cuts so fa
 
 from __future__ import annotations
 
-import contextlib
 import os
 import select
 import signal
-import socket
 import struct
 import sys
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-__all__ = ["SETTLE", "WireStore", "main", "proc_key", "process_identity", "running"]
+__all__ = ["SETTLE", "main", "proc_key", "process_identity", "running"]
 
 #: Seconds a keeper waits after its rank's death for the host's other ranks that die with it (one cut for all).
 SETTLE = 0.1
 
-_MAGIC = 0x3C85F7CE
-_VALIDATE, _SET, _COMPARE_SET, _GET, _ADD, _CHECK, _WAIT = 0, 1, 2, 3, 4, 5, 6
-_PING = 13
-_ABSENT = b"\x00"  # compare_set on a missing key with this expected value reads without writing (as _store.read)
 _ROOT = "ignite_ext"
 
+if TYPE_CHECKING or __package__:
+    from ignite_ext.distributed.store.wire import WireStore
+else:  # run by its path with -I -S, without the package on sys.path: the wire module by its path (stdlib only)
+    import importlib.util
 
-class WireStore:
-    """A client of torch's TCPStore that needs no torch: the few requests a keeper makes.
-
-    Args:
-        host: the store's host.
-        port: the store's port.
-        prefix: what the process group's prefix stores put before each key (``""`` for a bare TCPStore;
-            ``default_pg/0//`` style for a default group), as ``TCPStore.list_keys`` shows it.
-        timeout: seconds a request may take (None: a request may block for ever, as a ``wait`` does).
-
-    Examples:
-        >>> import datetime
-        >>> import torch.distributed as dist
-        >>> from ignite_ext.distributed.liveness.keeper import WireStore
-        >>> server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=5), wait_for_workers=False)
-        >>> wire = WireStore("127.0.0.1", server.port, "", timeout=5.0)
-        >>> wire.add("n", 2), server.add("n", 1), wire.read("n"), wire.read("missing")
-        (2, 3, b'3', None)
-        >>> wire.close()
-
-    .. versionadded:: 0.3.0
-    """
-
-    def __init__(self, host: str, port: int, prefix: str, timeout: float | None) -> None:
-        self._prefix = "/" + prefix  # TCPStore itself puts "/" before every key
-        self._sock = socket.create_connection((host, port), timeout=timeout if timeout is not None else 30.0)
-        self._sock.settimeout(timeout)
-        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        nonce = os.getpid() & 0xFFFFFFFF
-        self._sock.sendall(struct.pack("<BI", _VALIDATE, _MAGIC) + struct.pack("<BI", _PING, nonce))
-        if struct.unpack("<I", self._exactly(4))[0] != nonce:
-            raise ConnectionError("not a TCPStore: the ping came back wrong")
-
-    def settimeout(self, timeout: float | None) -> None:
-        """Seconds a request may take from now on (None: for ever)."""
-        self._sock.settimeout(timeout)
-
-    def _exactly(self, n: int) -> bytes:
-        chunks, left = [], n
-        while left:
-            chunk = self._sock.recv(left)
-            if not chunk:
-                raise ConnectionError("the store closed the connection")
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks)
-
-    def _bytes(self, value: bytes) -> bytes:
-        return struct.pack("<Q", len(value)) + value
-
-    def _key(self, key: str) -> bytes:
-        return self._bytes((self._prefix + key).encode())
-
-    def _vector(self) -> bytes:
-        return self._exactly(struct.unpack("<Q", self._exactly(8))[0])
-
-    def add(self, key: str, amount: int) -> int:
-        """Add ``amount`` to counter ``key`` (made at 0) and return its new value."""
-        self._sock.sendall(struct.pack("<B", _ADD) + self._key(key) + struct.pack("<q", amount))
-        return int(struct.unpack("<q", self._exactly(8))[0])
-
-    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
-        """Torch's ``compare_set``: ``desired`` if ``key`` held ``expected`` (or was missing and ``expected`` empty)."""
-        payload = self._key(key) + self._bytes(expected) + self._bytes(desired)
-        self._sock.sendall(struct.pack("<B", _COMPARE_SET) + payload)
-        return self._vector()
-
-    def read(self, key: str) -> bytes | None:
-        """``key``'s value, or None when it is missing: one request that never blocks."""
-        value = self.compare_set(key, _ABSENT, _ABSENT)
-        return None if value == _ABSENT else value
-
-    def set(self, key: str, value: bytes) -> None:
-        """Set ``key`` (no answer comes back)."""
-        self._sock.sendall(struct.pack("<B", _SET) + self._key(key) + self._bytes(value))
-
-    def wait(self, keys: Sequence[str]) -> None:
-        """Block until every key of ``keys`` exists (for ever with ``timeout=None``; :meth:`close` ends it)."""
-        parts = [struct.pack("<BQ", _WAIT, len(keys)), *(self._key(k) for k in keys)]
-        self._sock.sendall(b"".join(parts))
-        self._exactly(1)
-
-    def detach(self) -> None:
-        """Close this process's descriptor only: the connection goes on for the other holders (a forked parent)."""
-        self._sock.close()
-
-    def close(self) -> None:
-        """Close the connection; a :meth:`wait` blocked in another thread returns with an error."""
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
-        self._sock.close()
+    _spec = importlib.util.spec_from_file_location(
+        "_ignite_ext_wire",
+        os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "store", "wire.py"),
+    )
+    _wire = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_wire)
+    WireStore = _wire.WireStore
 
 
 def process_identity(pid: int) -> str | None:
@@ -255,8 +172,8 @@ class _Lazy:
     made at the group's start, for a keeper that may never need it, is a stall of the store waiting to happen.
     """
 
-    def __init__(self, host: str, port: int, prefix: str, timeout: float) -> None:
-        self._args = (host, port, prefix, timeout)
+    def __init__(self, host: str, port: int, prefix: str, timeout: float, flavour: str) -> None:
+        self._args = (host, port, prefix, timeout, flavour)
         self._wire: WireStore | None = None
 
     def __call__(self) -> WireStore:
@@ -304,24 +221,32 @@ def _keep(wire: _Lazy, rank: int, world_size: int, parent: int, beats: int, ever
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The keeper process: ``keeper.py HOST PORT PREFIX RANK WORLD_SIZE PARENT_PID BEATS_FD EVERY``; 0 on a goodbye.
+    """The keeper process: ``keeper.py HOST PORT PREFIX RANK WORLD_SIZE PARENT_PID BEATS_FD EVERY [FLAVOUR]``.
+
+    ``FLAVOUR`` is the protocol flavour the rank proved (:func:`~ignite_ext.distributed.store.wire.prove`;
+    ``validated`` by default). Returns 0 when it ends (a goodbye, its rank's death reported, or nothing to
+    keep: said on its standard error), 1 when the store is gone.
 
     Examples:
         A keeper whose rank's process is gone already ends at once.
 
         >>> from ignite_ext.distributed.liveness.keeper import main
-        >>> main(["127.0.0.1", "1", "", "0", "2", str(2**22 + 7), "0", "0.5"])
+        >>> main(["127.0.0.1", "1", "", "0", "2", str(2**22 + 7), "0", "0.5", "validated"])
         0
 
     .. versionadded:: 0.3.0
     """
-    host, port, prefix, rank, world_size, parent, beats, every = argv if argv is not None else sys.argv[1:]
+    args = list(argv if argv is not None else sys.argv[1:])
+    host, port, prefix, rank, world_size, parent, beats, every = args[:8]
+    flavour = args[8] if len(args) > 8 else "validated"
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C of the job's process group is for the ranks to see
     try:
-        wire = _Lazy(host, int(port), prefix, timeout=max(5.0, 6 * float(every)))
-        _keep(wire, int(rank), int(world_size), int(parent), int(beats), float(every))
+        wire = _Lazy(host, int(port), prefix, max(5.0, 6 * float(every)), flavour)
+        why = _keep(wire, int(rank), int(world_size), int(parent), int(beats), float(every))
     except (OSError, ValueError, struct.error):
-        return 1  # the store is gone or unreachable: there is nothing left to keep
+        return 1  # the store is gone or unreachable (the job is over): there is nothing left to keep
+    if why not in ("goodbye", "its process ended"):
+        print(f"ignite_ext keeper of rank {rank}: {why}", file=sys.stderr)
     return 0
 
 

@@ -15,92 +15,61 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import subprocess
 import sys
 import threading
-import uuid
 from collections.abc import Callable
 
-from ignite_ext.distributed._store import CUTS_KEY, Store, cut_key, put_once, read
+from ignite_ext.distributed._store import CUTS_KEY, Store, cut_key, endpoint
 from ignite_ext.distributed.liveness import keeper
-from ignite_ext.distributed.liveness.keeper import WireStore
+from ignite_ext.distributed.store.wire import WireStore, prove
 
-__all__ = ["PREFIX_KEY", "Address", "CutListener", "KeeperHandle", "wire_address"]
+__all__ = ["Address", "CutListener", "KeeperHandle", "wire_address"]
 
 _log = logging.getLogger(__name__)
 
-#: Where rank 0 publishes the prefix its group's keys carry on the wire (``p:`` and the prefix).
-PREFIX_KEY = "ignite_ext/wire_prefix"
-
-#: A store as the wire sees it: host, port and the prefix before each key.
-Address = tuple[str, int, str]
+#: A store as the wire sees it: host, port, the prefix before each key, and the protocol flavour proven there.
+Address = tuple[str, int, str, str]
 
 
-def _raw(store: Store) -> Store:
-    while hasattr(store, "underlying_store"):
-        store = store.underlying_store
-    return store
+def wire_address(store: Store) -> tuple[Address | None, str]:
+    """How a :class:`~ignite_ext.distributed.store.wire.WireStore` reaches ``store``, proven; or None and why not.
 
-
-def _discover(store: Store, raw: Store) -> str | None:
-    """The prefix ``store`` puts before keys, found by writing a probe key through it and listing the server's keys.
-
-    One ``list_keys`` (``O(N)`` keys at the group's start), by rank 0 only: the others read what it publishes.
-    """
-    probe = f"ignite_ext/probe/{uuid.uuid4().hex}"
-    store.set(probe, "1")
-    try:
-        keys = [k for k in raw.list_keys() if k.endswith(probe)]
-    except (AttributeError, RuntimeError):
-        return None  # a server without list_keys
-    finally:
-        store.delete_key(probe)
-    return keys[0][: -len(probe)] if len(keys) == 1 else None
-
-
-def _published_prefix(store: Store, raw: Store, rank: int) -> str | None:
-    """The prefix rank 0 published; rank 0 finds and publishes it (None: not published yet, or not found)."""
-    published = read(store, PREFIX_KEY)
-    if published is not None:
-        return published.decode()[2:]
-    if rank != 0:
-        return None
-    prefix = _discover(store, raw)
-    if prefix is not None:
-        put_once(store, PREFIX_KEY, b"p:" + prefix.encode())
-    return prefix
-
-
-def wire_address(store: Store, rank: int) -> Address | None:
-    """How a :class:`~ignite_ext.distributed.liveness.keeper.WireStore` reaches ``store``, once that is proven.
-
-    None when ``store`` is not served by a TCPStore, or when the prefix is not known yet (ranks other than 0 wait
-    for rank 0 to publish it: call again at a later beat). Not proven yet: :class:`CutListener` proves it.
-
-    Args:
-        store: the group's store.
-        rank: this rank (rank 0 finds the prefix, the others read it).
+    None when ``store`` is not one whose server and prefix the package knows (a :func:`~ignite_ext.distributed.\
+_store.namespaced` store or a bare TCPStore: see :func:`~ignite_ext.distributed._store.endpoint`), or when no
+    flavour of torch's protocol proved every opcode used (:func:`~ignite_ext.distributed.store.wire.prove`, about
+    12 requests, once per process).
 
     Examples:
         >>> import datetime
         >>> import torch.distributed as dist
+        >>> from ignite_ext.distributed._store import namespaced
         >>> from ignite_ext.distributed.liveness.watch import wire_address
         >>> server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=5), wait_for_workers=False)
-        >>> wire_address(dist.PrefixStore("job", server), rank=0) == ("127.0.0.1", server.port, "job/")
-        True
-        >>> wire_address(dist.HashStore(), rank=0) is None
-        True
+        >>> (host, port, prefix, flavour), _ = wire_address(namespaced(dist.PrefixStore("job", server)))
+        >>> (host, port) == ("127.0.0.1", server.port), prefix.startswith("ignite_ext-"), prefix.endswith("/")
+        (True, True, True)
+        >>> wire_address(dist.HashStore())
+        (None, 'not a TCPStore the package reaches on its own')
 
     .. versionadded:: 0.3.0
     """
-    raw = _raw(store)
-    host, port = getattr(raw, "host", None), getattr(raw, "port", None)
-    if not isinstance(host, str) or not isinstance(port, int):
-        return None
-    prefix = "" if raw is store else _published_prefix(store, raw, rank)
-    if prefix is None:
-        return None
-    return host, port, prefix
+    place = endpoint(store)
+    if place is None:
+        return None, "not a TCPStore the package reaches on its own"
+    probe = f"ignite_ext/proof/{os.getpid()}-{secrets.token_hex(4)}"
+    flavour, why = prove(place.host, place.port, place.wire_prefix, store, probe)
+    if flavour is None:
+        return None, f"torch {torch_version()}'s store protocol is not one this package speaks ({why})"
+    return (place.host, place.port, place.wire_prefix, flavour), ""
+
+
+def torch_version() -> str:
+    """The version of the torch this process runs (for messages)."""
+    import torch
+
+    return str(torch.__version__)
 
 
 class KeeperHandle:
@@ -115,9 +84,10 @@ class KeeperHandle:
     Examples:
         >>> import datetime, os
         >>> import torch.distributed as dist
-        >>> from ignite_ext.distributed.liveness.watch import KeeperHandle
+        >>> from ignite_ext.distributed.liveness.watch import KeeperHandle, wire_address
         >>> server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=5), wait_for_workers=False)
-        >>> handle = KeeperHandle(("127.0.0.1", server.port, ""), rank=0, world_size=2, every=0.5)
+        >>> address, _ = wire_address(server)
+        >>> handle = KeeperHandle(address, rank=0, world_size=2, every=0.5)
         >>> handle.beat(); handle.stop()
         0
 
@@ -125,10 +95,10 @@ class KeeperHandle:
     """
 
     def __init__(self, address: Address, rank: int, world_size: int, every: float) -> None:
-        host, port, prefix = address
+        host, port, prefix, flavour = address
         beats, self._out = os.pipe()
         os.set_blocking(self._out, False)  # a keeper that does not read must never block a beat
-        args = [host, str(port), prefix, str(rank), str(world_size), str(os.getpid()), str(beats), str(every)]
+        args = [host, str(port), prefix, str(rank), str(world_size), str(os.getpid()), str(beats), str(every), flavour]
         try:
             # -I -S: the standard library only, nothing of the rank's environment (and no torch to import)
             self._process = subprocess.Popen(
@@ -179,11 +149,12 @@ class CutListener:
     Examples:
         >>> import datetime, threading
         >>> import torch.distributed as dist
-        >>> from ignite_ext.distributed.liveness.watch import CutListener
+        >>> from ignite_ext.distributed.liveness.watch import CutListener, wire_address
         >>> server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=5), wait_for_workers=False)
         >>> heard = threading.Event()
         >>> server.set("ignite_ext/cuts", "0")
-        >>> listener = CutListener(("127.0.0.1", server.port, ""), b"0", 1, lambda index: heard.set())
+        >>> address, _ = wire_address(server)
+        >>> listener = CutListener(address, b"0", 1, lambda index: heard.set())
         >>> server.set("ignite_ext/cut/1", "0|3.000|2"); heard.wait(5)
         True
         >>> listener.close()
@@ -192,7 +163,8 @@ class CutListener:
     """
 
     def __init__(self, address: Address, proof: bytes, first: int, on_cut: Callable[[int], None]) -> None:
-        self._wire = WireStore(*address, timeout=10.0)
+        host, port, prefix, flavour = address
+        self._wire = WireStore(host, port, prefix, timeout=10.0, flavour=flavour)
         if self._wire.read(CUTS_KEY) != proof:
             self._wire.close()
             raise ValueError("the wire client does not read what torch's client wrote: no process watching")

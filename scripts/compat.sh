@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The version fence: one environment per (torch, pytorch-ignite) pair, and in each the tests that rest on what
+# torch does not promise (the store contract, process watching, liveness), a seeded sample of the fault sweep, the
+# backend matrix and the examples. Prints one table row per pair for the "Versions" table of docs/backends.rst.
+#
+# Usage: bash scripts/compat.sh [TORCH:IGNITE ...]     default: the pairs below (oldest and newest admitted, and
+#        bash scripts/compat.sh --contract TORCH:IGNITE  the releases between where torch's store changed)
+#   --contract: the store-contract tests only (what CI runs on the builds this machine has on disk).
+# PyPI's torch wheels other than the CPU build on disk are CUDA builds of a few GB: they install and run on the CPU.
+# The environments are kept outside the repository ($IGNITE_EXT_CACHE/venvs/compat_*), keyed by the versions.
+# Exit status: 0 when every pair passed.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+CACHE="${IGNITE_EXT_CACHE:-$HOME/.cache/ignite_ext}"
+PY="${PYTHON:-python3.11}"
+command -v "$PY" >/dev/null || PY=python3
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+SCOPE=full
+if [ "${1:-}" = "--contract" ]; then SCOPE=contract; shift; fi
+# 2.1.2: the floor (no Store.clone, no check, no DistStoreError, the store protocol without VALIDATE);
+# 2.5.1: libuv store by default, still no Store.clone; 2.13.0: the CPU build this project runs on; 2.14.1: newest.
+PAIRS=("$@")
+[ ${#PAIRS[@]} -gt 0 ] || PAIRS=("2.1.2:0.5.1" "2.5.1:0.5.1" "2.13.0:0.5.5" "2.14.1:0.5.5")
+
+CONTRACT=(tests/distributed/test_store_contract.py tests/distributed/test_process_watch.py
+  ignite_ext/distributed/store ignite_ext/distributed/_store.py)
+FULL=("${CONTRACT[@]}" tests/distributed/test_liveness.py tests/distributed/test_fault_sweep.py
+  tests/backends/test_matrix.py tests/test_examples.py)
+
+status=0
+for pair in "${PAIRS[@]}"; do
+  torch_v="${pair%%:*}"; ignite_v="${pair##*:}"
+  venv="$CACHE/venvs/compat_torch-${torch_v}_ignite-${ignite_v}"
+  if [ ! -f "$venv/.ready" ]; then
+    echo "[compat] creating $venv" >&2
+    rm -rf "$venv"
+    "$PY" -m venv "$venv"
+    numpy="numpy>=1.26"
+    # torch before 2.3 was built against numpy 1.x
+    case "$torch_v" in 2.1.*|2.2.*) numpy="numpy>=1.26,<2" ;; esac
+    "$venv/bin/pip" install -q "torch==$torch_v" "pytorch-ignite==$ignite_v" "$numpy" >&2
+    "$venv/bin/pip" install -q --no-deps -e . >&2
+    "$venv/bin/pip" install -q "filelock>=3.20.3" "tqdm>=4.60" "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" \
+      "psutil>=5.9" >&2
+    touch "$venv/.ready"
+  fi
+  selection=("${CONTRACT[@]}")
+  [ "$SCOPE" = full ] && selection=("${FULL[@]}")
+  log="${TMPDIR:-/tmp}/ignite_ext_compat_${torch_v}_${ignite_v}.log"
+  echo "[compat] torch $torch_v, pytorch-ignite $ignite_v: ${selection[*]}" >&2
+  if (cd "$ROOT" && "$venv/bin/python" -m pytest -q -p no:cacheprovider "${selection[@]}") >"$log" 2>&1; then
+    verdict=green
+  else
+    verdict=red; status=1
+  fi
+  summary="$(grep -E '^=+ .*(passed|failed).* =+$|^[0-9]+ (passed|failed)' "$log" | tail -n 1 | tr -d '=' | xargs)"
+  versions="$("$venv/bin/python" -c 'import torch, ignite; print(torch.__version__, ignite.__version__)' 2>/dev/null)"
+  echo "[compat] | $(date -u +%F) | $(git rev-parse --short HEAD) | ${versions% *} | ${versions#* } | $SCOPE | $verdict: $summary |"
+  [ "$verdict" = green ] || tail -n 30 "$log" | sed 's/^/[compat] !!! /' >&2
+done
+exit $status
