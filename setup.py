@@ -28,7 +28,7 @@ setup(
     packages=find_packages(include=["ignite_ext", "ignite_ext.*"]),
     package_data={"ignite_ext": ["py.typed"]},
     install_requires=[
-        # What scripts/compat.sh ran green (docs/backends.rst, "Versions"): torch 2.1.2 to 2.14.1, ignite 0.5.1 to 0.5.5.
+        # What scripts/compat.sh ran green (docs/backends.rst, "Versions"): torch 2.1.2-2.14.1, ignite 0.5.1-0.5.5.
         "torch>=2.1,<2.15",
         "pytorch-ignite>=0.5.1,<0.6",
         "filelock>=3.20.3",
