@@ -1,6 +1,16 @@
 #!/usr/bin/env bash
 # The whole test suite: sets up .venv, then lint, types, tests (with docstring examples) and the docs build.
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
+# The fast lane (bash scripts/test.sh --lane=fast, see tests/_lanes.py): the tests that answer in minutes, without
+# the environments only the full lane's tests use (Horovod, the peers), the 2.14.1 contract run and the docs build.
+FAST=""
+for arg in "$@"; do
+  case "$arg" in --lane=fast) FAST=1 ;; esac
+done
+[ "${IGNITE_EXT_LANE:-}" = fast ] && FAST=1
+if [ -n "$FAST" ]; then
+  export IGNITE_EXT_NO_HOROVOD=1 IGNITE_EXT_NO_PEERS=1 IGNITE_EXT_NO_CACHE_PEERS=1 IGNITE_EXT_NO_COMPAT=1
+fi
 echo "[test] ruff";   ruff check ignite_ext tests benchmarks examples docs/conf.py setup.py
 ruff format --check ignite_ext tests benchmarks examples docs/conf.py setup.py
 echo "[test] mypy";   mypy
@@ -25,7 +35,7 @@ optional_step() {
 optional_step horovod_wheel horovod IGNITE_EXT_NO_HOROVOD IGNITE_EXT_HOROVOD_BUILD_FAILED 15 \
   "HOROVOD BUILD FAILED: the Horovod tests will be skipped" scripts/horovod_wheel.sh
 # The download peers (torchvision, pooch) in an environment of their own: created once (~90 s), then cached.
-optional_step peers_env peers "" IGNITE_EXT_PEERS_FAILED 5 \
+optional_step peers_env peers IGNITE_EXT_NO_PEERS IGNITE_EXT_PEERS_FAILED 5 \
   "PEERS ENVIRONMENT FAILED: the torchvision stand-in test will be skipped" scripts/peers_env.sh
 # The cache peers (LitData, Mosaic streaming) in an environment of their own: created once (a few minutes), then
 # cached.
@@ -48,5 +58,9 @@ echo "[test] compat"
 if [ -z "${IGNITE_EXT_NO_COMPAT:-}" ]; then
   bash scripts/compat.sh --contract "2.14.1:0.5.5" | grep '^\[compat\]'
 fi
-echo "[test] docs";   python -m sphinx -W --keep-going -q -b html docs docs/_build/html
+if [ -n "$FAST" ]; then
+  echo "[test] fast lane: docs build left for the full lane"
+else
+  echo "[test] docs";   python -m sphinx -W --keep-going -q -b html docs docs/_build/html
+fi
 echo "[test] all checks passed"

@@ -22,6 +22,14 @@ from typing import Any
 
 import pytest
 
+from tests._lanes import (  # noqa: F401 (hooks, found here by pytest)
+    pytest_addoption,
+    pytest_configure,
+    pytest_report_collectionfinish,
+    pytest_runtest_logreport,
+    pytest_sessionfinish,
+    select,
+)
 from tests._world import DEFAULT_WORLD, LaunchedWorld, World, make_world
 
 WORLD_REPORT_ENV = "IGNITE_EXT_WORLD_REPORT"  # tests/test_harness.py: where to write what was selected
@@ -40,6 +48,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if world_of(item) not in (None, "serial"):
             item.add_marker(pytest.mark.distributed)
+    select(config, items)
 
 
 _deselected: list[pytest.Item] = []

@@ -52,7 +52,7 @@ import secrets
 import threading
 import weakref
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 import torch.distributed
 
@@ -278,6 +278,29 @@ def endpoint(store: Store) -> Endpoint | None:
     return None
 
 
+class _Lazy:
+    """A namespaced client that connects at its first request.
+
+    Each thread that waits uses a :func:`clone` (its own connection), so most processes never send a request
+    through this object. A TCPStore server takes new connections slowly when many come at once (seconds each
+    beyond about 30 at once, measured on torch 2.13's libuv server): a connection nobody needs, opened by every
+    rank at the group's start, adds to that burst.
+    """
+
+    def __init__(self, place: Endpoint) -> None:
+        self._place = place
+        self._client: Store | None = None
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        with self._lock:
+            if self._client is None:
+                self._client = self._place.connect()
+        return getattr(self._client, name)
+
+
 def namespaced(store: Store) -> Store:
     """The package's own client of the TCPStore behind ``store``, its keys under a namespace of this group's.
 
@@ -287,42 +310,46 @@ def namespaced(store: Store) -> Store:
     the token is the first proposal of the group's processes, written once in the group's own store (one
     ``compare_set`` per process and group): a group restarted on the same server (torchrun's next attempt) has
     other keys under torch's prefix, so another token, and reads nothing of the attempt before it. A store not
-    served by a TCPStore (a ``HashStore``, a ``FileStore``) is used as it is.
+    served by a TCPStore (a ``HashStore``, a ``FileStore``) is used as it is. The client connects at its first
+    request; :func:`clone` opens a connection of its own per thread that asks.
 
     Examples:
         >>> import datetime
         >>> import torch.distributed as dist
-        >>> from ignite_ext.distributed._store import namespaced, read
+        >>> from ignite_ext.distributed._store import clone, namespaced
         >>> server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=5), wait_for_workers=False)
         >>> group = dist.PrefixStore("default_pg", server)
         >>> ours = namespaced(group)
-        >>> ours is namespaced(group), namespaced(dist.PrefixStore("default_pg", server)) is ours
-        (True, False)
-        >>> ours.set("k", "v"); token = read(group, "ignite_ext/namespace").decode()
-        >>> server.get(f"ignite_ext-{token}/k")
-        b'v'
+        >>> ours is namespaced(group)
+        True
+        >>> other = clone(ours); other.set("k", "v"); other is ours, ours.get("k")
+        (False, b'v')
 
     .. versionadded:: 0.4.0
     """
     with _GUARD:
-        ours = _NAMESPACED.get(store)
-        if ours is not None or store in _ENDPOINTS:
-            return ours or store
-        served = endpoint(_innermost(store))
-        if served is None:
-            ours = store
-        else:
+        known = _NAMESPACED.get(store)
+        if known is not None:
+            return known
+        if store in _ENDPOINTS:
+            return store
+        ours = store
+        # Where torch clones its stores itself (2.6 and later: Store.clone), its store is used as it is: clients of
+        # one's own come from Store.clone, the wire prefix from rank 0's list_keys (liveness.watch).
+        served = None if _clones(store) else endpoint(_innermost(store))
+        if served is not None:
             proposal = secrets.token_hex(8).encode()
             token = bytes(store.compare_set(NAMESPACE_KEY, "", proposal)).decode()  # type: ignore[arg-type]
             place = dataclasses.replace(served, prefix=f"{_ROOT}-{token}")
-            try:
-                ours = place.connect()
-            except (RuntimeError, OSError, ValueError):  # the server is unreachable by its address from here
-                ours = store
-            else:
-                _ENDPOINTS[ours] = place
-        _NAMESPACED[store] = ours
+            ours = cast(Store, _Lazy(place))
+            _ENDPOINTS[ours] = place
+            _NAMESPACED[store] = ours  # never the store itself: a value holding its key would keep it alive
         return ours
+
+
+def _clones(store: Store) -> bool:
+    """Whether torch's ``store`` gives a client of its own on ``clone()`` (torch 2.6 and later)."""
+    return hasattr(store, "clone")
 
 
 def _forget_namespaces() -> None:

@@ -21,7 +21,7 @@ from ignite_ext.distributed._store import NAMESPACE_KEY, clone, cut_key, default
 from ignite_ext.distributed.liveness.keeper import process_identity, running
 from ignite_ext.distributed.liveness.watch import CutListener, wire_address
 from ignite_ext.distributed.store.wire import FLAVOURS, WireStore, prove
-from tests._world import World
+from tests._world import World, run_world
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -58,6 +58,41 @@ def test_a_long_gil_hold_is_not_a_death(world: World, watch: str) -> None:
     else:  # without a keeper, the silence looks like a death: what the keeper is for
         assert outcomes[1] != "ok", [str(r) for r in results]
         assert all(r.value["outcome"] == "RankFailedError" for r in results if r.rank != 1), [str(r) for r in results]
+
+
+def body_holds_the_gil_in_its_first_block(seconds: float, before: bool = False) -> dict[str, Any]:
+    start = time.monotonic()
+    if before:  # outside any block, once the group watcher's heartbeat has its keeper up (what the docs promise)
+        from ignite_ext.distributed.liveness.heartbeat import Heartbeat
+
+        while not Heartbeat._instances and time.monotonic() - start < 30:
+            time.sleep(0.05)
+        assert all(hb._watched.wait(30) for hb in list(Heartbeat._instances.values()))
+        if idist.get_rank() == 0:
+            _hold_the_gil(seconds)
+    try:
+        with idist.one_rank_first() as first:  # the first block, entered right after init_process_group
+            if first and not before:
+                _hold_the_gil(seconds)
+        return {"outcome": "ok", "after": time.monotonic() - start}
+    except idist.RankFailedError as exc:
+        return {"outcome": type(exc).__name__, "dead": list(exc.dead), "after": time.monotonic() - start}
+
+
+@pytest.mark.distributed
+def test_a_gil_hold_before_the_first_block_once_the_keeper_runs_is_not_a_death() -> None:
+    # Before any block, a rank beats from its group's start (the group watcher) and its keeper starts right after:
+    # a hold from then on is beaten for. (One that starts before the keeper runs, a fraction of a second after
+    # init_process_group, and lasts longer than T is a death, as a hang is: the scheduling guide says so.)
+    t = 2.0
+    results = run_world(
+        body_holds_the_gil_in_its_first_block,
+        2,
+        args=(3 * t, True),
+        env={"IGNITE_EXT_HEARTBEAT_TIMEOUT": str(t)},
+        deadline=120,
+    )
+    assert [r.value["outcome"] if r.ok else r.exc_type for r in results] == ["ok", "ok"], [str(r) for r in results]
 
 
 def body_waits_for_a_death(victims: list[int], kill_at: float, work: float) -> dict[str, Any]:
@@ -160,14 +195,19 @@ def test_the_wire_client_speaks_torchs_tcpstore() -> None:
 
     server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=5), wait_for_workers=False)
     torchs = dist.PrefixStore("default_pg", dist.PrefixStore("0", server))
-    group = namespaced(torchs)  # the package's own client, its keys under the group's namespace
-    assert group is not torchs and namespaced(torchs) is group
-    token = read(torchs, NAMESPACE_KEY)
-    assert token is not None
+    group = namespaced(torchs)  # torch's own store where it clones itself, else the package's namespaced client
+    assert namespaced(torchs) is group
     group.set("ignite_ext/cuts", "0")
-    address, why = wire_address(group)
+    address, why = wire_address(group, rank=0)
     assert address is not None, why
-    assert address[2] == f"ignite_ext-{token.decode()}/" and address[3] in FLAVOURS
+    if hasattr(torchs, "clone"):  # torch 2.6 and later: torch's store and its prefix, as rank 0 lists it
+        assert group is torchs and address[2] == "0/default_pg/"
+        assert torchs.get("ignite_ext/wire_prefix") == b"p:0/default_pg/"  # published for the other ranks
+        assert wire_address(dist.PrefixStore("default_pg", dist.PrefixStore("0", server)), rank=3)[0] == address
+    else:  # the package's own connections, under the group's namespace
+        token = read(torchs, NAMESPACE_KEY)
+        assert group is not torchs and token is not None and address[2] == f"ignite_ext-{token.decode()}/"
+    assert address[3] in FLAVOURS
     host, port, prefix, flavour = address
     wire = WireStore(host, port, prefix, timeout=5.0, flavour=flavour)
     assert wire.add("ignite_ext/hb/1", 5) == 5 and group.add("ignite_ext/hb/1", 1) == 6
@@ -176,8 +216,6 @@ def test_the_wire_client_speaks_torchs_tcpstore() -> None:
     assert wire.check(["k"]) and not wire.check(["k", "absent"]) and wire.get("k") == b"v"
     wire.set("s", b"ab")
     assert group.get("s") == b"ab"
-    # Another process of the group (another torch store object over the same server) joins the same namespace.
-    assert wire_address(namespaced(dist.PrefixStore("default_pg", dist.PrefixStore("0", server))))[0] == address
     waiter = WireStore(host, port, prefix, timeout=None, flavour=flavour)
     done = threading.Event()
     threading.Thread(target=lambda: (waiter.wait(["late"]), done.set()), daemon=True).start()
@@ -189,7 +227,7 @@ def test_the_wire_client_speaks_torchs_tcpstore() -> None:
     waiter.close()
     assert wire_address(dist.HashStore())[0] is None
     # Another prefix (or another protocol) is caught before anything relies on it: no process watching then.
-    assert prove(host, port, "another/", group, "ignite_ext/proof/x")[0] is None
+    assert prove(host, port, "another/", group, "ignite_ext/proof/x", flavour)[0] is None
     with pytest.raises(ValueError, match="does not read"):
         CutListener((host, port, "another/", flavour), b"0", 1, lambda index: None)
     heard: list[int] = []

@@ -50,7 +50,7 @@ from ignite_ext.distributed._store import (
 from ignite_ext.distributed.liveness.detector import Cut, Detector
 from ignite_ext.distributed.liveness.keeper import proc_key, process_identity
 from ignite_ext.distributed.liveness.settings import beat_interval, early_heartbeat, heartbeat_timeout, process_watch
-from ignite_ext.distributed.liveness.watch import CutListener, KeeperHandle, wire_address
+from ignite_ext.distributed.liveness.watch import NOT_YET, CutListener, KeeperHandle, proven_wire
 
 __all__ = ["Heartbeat", "watch_for_groups"]
 
@@ -99,6 +99,11 @@ class Heartbeat:
         self._keeper: KeeperHandle | None = None
         self._listener: CutListener | None = None
         self._watching = start and process_watch()  # the keeper and the listener are still to start
+        self._watched = threading.Event()  # set once they run, or once it is known that they will not
+        self._tries = 0  # looks for the wire address so far (see _start_watching)
+        self._next_try = 0.0  # when _start_watching looks again (monotonic)
+        if not self._watching:
+            self._watched.set()
         self._ended = threading.Lock()
         put_once(self._client, CUTS_KEY, b"0")
         self._beat()
@@ -250,25 +255,50 @@ class Heartbeat:
                 put(self._client, key, b"t")
 
     def _start_watching(self) -> None:
-        """Start the keeper and the cut listener, where the store's wire address is known and proven (once)."""
-        self._watching = False
-        address, why = wire_address(self._client)
-        if address is None:  # detection by silence alone
-            _log.info("ignite_ext: rank %d runs no keeper and no cut listener: %s", self.rank, why)
+        """Start the keeper and the cut listener, where the store's wire address is known and proven.
+
+        With torch's own prefixed store, rank 0 publishes the prefix as its group forms, as the others look for
+        it: they look again after 0.1 s, then after twice as long each time (at most a beat), :data:`_WATCH_TRIES`
+        times in all (one read each).
+        """
+        if time.monotonic() < self._next_try:
             return
+        self._tries += 1
+        try:
+            done = self._start_keeper_and_listener(last=self._tries >= _WATCH_TRIES)
+        except BaseException:
+            done = True
+            raise
+        finally:
+            if done:
+                self._watching = False
+                self._watched.set()
+        if not done:
+            self._next_try = time.monotonic() + min(self._every, 0.1 * 2 ** (self._tries - 1))
+
+    def _start_keeper_and_listener(self, last: bool) -> bool:
+        """Start them if the address is known; False: not known yet, ask again later."""
+        address, wire, why = proven_wire(self._client, self.rank)
+        if why == NOT_YET and not last:
+            return False
+        if address is None or wire is None:  # detection by silence alone
+            _log.info("ignite_ext: rank %d runs no keeper and no cut listener: %s", self.rank, why)
+            return True
         proof = read(self._client, CUTS_KEY)
         try:
-            self._listener = CutListener(address, proof or b"", len(self._cuts) + 1, self._on_cut)
+            self._listener = CutListener(address, proof or b"", len(self._cuts) + 1, self._on_cut, wire)
         except (OSError, ValueError):
-            return  # not proven: detection by silence alone
+            wire.close()
+            return True  # not proven: detection by silence alone
         identity = process_identity(os.getpid())
         if identity is None or not hasattr(os, "pidfd_open"):
-            return  # no /proc or no pidfd (not Linux 5.3+): no keeper, the listener still hears each cut at once
+            return True  # no /proc or no pidfd (not Linux 5.3+): no keeper; the listener still hears each cut at once
         put(self._client, proc_key(self.rank), identity.encode())
         try:
             self._keeper = KeeperHandle(address, self.rank, self._detector.world_size, self._every)
         except OSError as exc:  # no interpreter to start (an embedding application): detection by silence alone
             _log.debug("ignite_ext: no keeper for rank %d: %s", self.rank, exc)
+        return True
 
     def _on_cut(self, index: int) -> None:
         self._heard = max(self._heard, index)
@@ -309,9 +339,10 @@ class Heartbeat:
         next_beat = time.monotonic() + self._every
         while True:
             try:
+                until_tick = self._fire_ticks()
                 if self._watching:
                     self._start_watching()
-                until_tick = self._fire_ticks()
+                    until_tick = min(until_tick, max(0.0, self._next_try - time.monotonic()))
                 wait = min(until_tick, max(0.0, next_beat - time.monotonic()))
                 with self._lock:
                     self._sleeps_until = time.monotonic() + wait
@@ -341,6 +372,8 @@ class Heartbeat:
             dog.disarm(token)
 
 
+#: How often a rank other than 0 looks for the wire prefix rank 0 publishes, before it does without a keeper.
+_WATCH_TRIES = 16
 _STOPPING = threading.Event()
 _RUNNING: weakref.WeakSet[Heartbeat] = weakref.WeakSet()
 

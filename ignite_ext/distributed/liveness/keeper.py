@@ -224,8 +224,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The keeper process: ``keeper.py HOST PORT PREFIX RANK WORLD_SIZE PARENT_PID BEATS_FD EVERY [FLAVOUR]``.
 
     ``FLAVOUR`` is the protocol flavour the rank proved (:func:`~ignite_ext.distributed.store.wire.prove`;
-    ``validated`` by default). Returns 0 when it ends (a goodbye, its rank's death reported, or nothing to
-    keep: said on its standard error), 1 when the store is gone.
+    ``validated`` by default). Returns 0 when it ends (a goodbye, its rank's death reported, or its rank gone
+    before it started), 1 when the store is gone. A rank whose proof failed starts no keeper, and logs why.
 
     Examples:
         A keeper whose rank's process is gone already ends at once.
@@ -242,11 +242,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C of the job's process group is for the ranks to see
     try:
         wire = _Lazy(host, int(port), prefix, max(5.0, 6 * float(every)), flavour)
-        why = _keep(wire, int(rank), int(world_size), int(parent), int(beats), float(every))
+        _keep(wire, int(rank), int(world_size), int(parent), int(beats), float(every))
     except (OSError, ValueError, struct.error):
         return 1  # the store is gone or unreachable (the job is over): there is nothing left to keep
-    if why not in ("goodbye", "its process ended"):
-        print(f"ignite_ext keeper of rank {rank}: {why}", file=sys.stderr)
     return 0
 
 

@@ -19,13 +19,14 @@ import secrets
 import subprocess
 import sys
 import threading
+import uuid
 from collections.abc import Callable
 
-from ignite_ext.distributed._store import CUTS_KEY, Store, cut_key, endpoint
+from ignite_ext.distributed._store import CUTS_KEY, Store, cut_key, endpoint, put_once, read
 from ignite_ext.distributed.liveness import keeper
-from ignite_ext.distributed.store.wire import WireStore, prove
+from ignite_ext.distributed.store.wire import WireStore, connect_proven, flavour_for
 
-__all__ = ["Address", "CutListener", "KeeperHandle", "wire_address"]
+__all__ = ["NOT_YET", "PREFIX_KEY", "Address", "CutListener", "KeeperHandle", "proven_wire", "wire_address"]
 
 _log = logging.getLogger(__name__)
 
@@ -33,13 +34,13 @@ _log = logging.getLogger(__name__)
 Address = tuple[str, int, str, str]
 
 
-def wire_address(store: Store) -> tuple[Address | None, str]:
+def wire_address(store: Store, rank: int = 0) -> tuple[Address | None, str]:
     """How a :class:`~ignite_ext.distributed.store.wire.WireStore` reaches ``store``, proven; or None and why not.
 
-    None when ``store`` is not one whose server and prefix the package knows (a :func:`~ignite_ext.distributed.\
-_store.namespaced` store or a bare TCPStore: see :func:`~ignite_ext.distributed._store.endpoint`), or when no
-    flavour of torch's protocol proved every opcode used (:func:`~ignite_ext.distributed.store.wire.prove`, about
-    12 requests, once per process).
+    None when ``store`` is not served by a TCPStore, when its key prefix is not known yet (torch's own prefixed
+    store: rank 0 finds it with one ``list_keys`` and publishes it, the others read it: call again later), or when
+    its torch's protocol flavour did not prove every opcode used
+    (:func:`~ignite_ext.distributed.store.wire.connect_proven`, about 12 requests, once per process).
 
     Examples:
         >>> import datetime
@@ -48,21 +49,86 @@ _store.namespaced` store or a bare TCPStore: see :func:`~ignite_ext.distributed.
         >>> from ignite_ext.distributed.liveness.watch import wire_address
         >>> server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=5), wait_for_workers=False)
         >>> (host, port, prefix, flavour), _ = wire_address(namespaced(dist.PrefixStore("job", server)))
-        >>> (host, port) == ("127.0.0.1", server.port), prefix.startswith("ignite_ext-"), prefix.endswith("/")
-        (True, True, True)
+        >>> (host, port) == ("127.0.0.1", server.port), prefix == "job/" or prefix.startswith("ignite_ext-")
+        (True, True)
         >>> wire_address(dist.HashStore())
         (None, 'not a TCPStore the package reaches on its own')
 
     .. versionadded:: 0.3.0
     """
+    address, wire, why = proven_wire(store, rank)
+    if wire is not None:
+        wire.close()
+    return address, why
+
+
+#: Where rank 0 publishes the prefix its group's keys carry on the wire (``p:`` and the prefix).
+PREFIX_KEY = "ignite_ext/wire_prefix"
+#: What :func:`proven_wire` says while rank 0 has not published the prefix yet (ask again later).
+NOT_YET = "rank 0 has not published the store's key prefix yet"
+
+
+def _innermost(store: Store) -> Store:
+    while hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    return store
+
+
+def _discover(store: Store, raw: Store) -> str | None:
+    """The prefix ``store`` puts before keys, found by writing a probe key through it and listing the server's keys.
+
+    One ``list_keys`` (``O(N)`` keys at the group's start), by rank 0 only: the others read what it publishes.
+    """
+    probe = f"ignite_ext/probe/{uuid.uuid4().hex}"
+    store.set(probe, "1")
+    try:
+        keys = [k for k in raw.list_keys() if k.endswith(probe)]
+    except (AttributeError, RuntimeError):
+        return None  # a server without list_keys
+    finally:
+        store.delete_key(probe)
+    return keys[0][: -len(probe)] if len(keys) == 1 else None
+
+
+def _published_prefix(store: Store, raw: Store, rank: int) -> str | None:
+    """The prefix rank 0 published; rank 0 finds and publishes it (None: not published yet, or not found)."""
+    published = read(store, PREFIX_KEY)
+    if published is not None:
+        return published.decode()[2:]
+    if rank != 0:
+        return None
+    prefix = _discover(store, raw)
+    if prefix is not None:
+        put_once(store, PREFIX_KEY, b"p:" + prefix.encode())
+    return prefix
+
+
+def _place(store: Store, rank: int) -> tuple[str, int, str] | str:
+    """The store's host, port and wire prefix, or why there is none (yet)."""
     place = endpoint(store)
-    if place is None:
-        return None, "not a TCPStore the package reaches on its own"
+    if place is not None:  # the package's own namespace (torch without Store.clone), or a bare TCPStore
+        return place.host, place.port, place.wire_prefix
+    raw = _innermost(store)
+    host, port = getattr(raw, "host", None), getattr(raw, "port", None)
+    if not isinstance(host, str) or not isinstance(port, int):
+        return "not a TCPStore the package reaches on its own"
+    # torch's own store, which it clones itself: its prefix, as rank 0 lists it (stragglers start a moment later).
+    prefix = _published_prefix(store, raw, rank)
+    return NOT_YET if prefix is None else (host, port, prefix)
+
+
+def proven_wire(store: Store, rank: int = 0) -> tuple[Address | None, WireStore | None, str]:
+    """As :func:`wire_address`, and the proven connection itself (the cut listener keeps it), or None and why."""
+    place = _place(store, rank)
+    if isinstance(place, str):
+        return None, None, place
+    host, port, prefix = place
     probe = f"ignite_ext/proof/{os.getpid()}-{secrets.token_hex(4)}"
-    flavour, why = prove(place.host, place.port, place.wire_prefix, store, probe)
-    if flavour is None:
-        return None, f"torch {torch_version()}'s store protocol is not one this package speaks ({why})"
-    return (place.host, place.port, place.wire_prefix, flavour), ""
+    flavour = flavour_for(torch_version())
+    wire, why = connect_proven(host, port, prefix, store, probe, flavour)
+    if wire is None:
+        return None, None, f"torch {torch_version()}'s store protocol is not one this package speaks ({why})"
+    return (host, port, prefix, wire.flavour), wire, ""
 
 
 def torch_version() -> str:
@@ -162,9 +228,13 @@ class CutListener:
     .. versionadded:: 0.3.0
     """
 
-    def __init__(self, address: Address, proof: bytes, first: int, on_cut: Callable[[int], None]) -> None:
+    def __init__(
+        self, address: Address, proof: bytes, first: int, on_cut: Callable[[int], None], wire: WireStore | None = None
+    ) -> None:
         host, port, prefix, flavour = address
-        self._wire = WireStore(host, port, prefix, timeout=10.0, flavour=flavour)
+        # A proven connection is taken over (no second connection to the store for the listener).
+        self._wire = wire if wire is not None else WireStore(host, port, prefix, timeout=10.0, flavour=flavour)
+        self._wire.settimeout(10.0)
         if self._wire.read(CUTS_KEY) != proof:
             self._wire.close()
             raise ValueError("the wire client does not read what torch's client wrote: no process watching")

@@ -12,9 +12,11 @@ Each request is its opcode (one byte) and its arguments: a string is its length 
 its bytes, a count an ``uint64``, an amount an ``int64``. ``CHECK`` answers one byte (0: every key is set), ``WAIT``
 one byte once every key is set. Keys carry TCPStore's own leading ``/``, then the prefix of the package's keys.
 
-Nothing is taken on trust: :func:`prove` runs every opcode the keeper and the listener use (``SET``, ``GET``,
-``ADD``, ``COMPARE_SET``, ``CHECK``, ``WAIT``) against the rank's own torch client, and a rank whose proof fails
-runs no keeper and no listener (detection by silence alone, within ``4/3 T``), and says why.
+Nothing is taken on trust: :func:`connect_proven` runs every opcode the keeper and the listener use (``SET``,
+``GET``, ``ADD``, ``COMPARE_SET``, ``CHECK``, ``WAIT``) against the rank's own torch client, in the one flavour
+its torch speaks (:func:`flavour_for`: never a request of the other flavour, which is garbage to a server), and
+a rank whose proof fails runs no keeper and no listener (detection by silence alone, within ``4/3 T``), and says
+why.
 
 This module imports the standard library only: the keeper loads it by its path.
 
@@ -29,7 +31,7 @@ import socket
 import struct
 from collections.abc import Callable, Sequence
 
-__all__ = ["FLAVOURS", "MAGIC", "Opcodes", "WireStore", "prove"]
+__all__ = ["FLAVOURS", "MAGIC", "Opcodes", "WireStore", "connect_proven", "flavour_for", "prove"]
 
 #: The number a ``validated`` connection starts with (``validationMagicNumber`` in torch's TCPStore.cpp).
 MAGIC = 0x3C85F7CE
@@ -64,7 +66,7 @@ class Opcodes:
     WAIT: int
 
 
-#: The protocol flavours, newest first: the order in which :func:`prove` tries them.
+#: The protocol flavours, newest first.
 FLAVOURS = {"validated": Opcodes(["VALIDATE"]), "legacy": Opcodes([])}
 
 _ABSENT = b"\x00"  # compare_set on a missing key with this expected value reads without writing
@@ -83,9 +85,10 @@ class WireStore:
     Examples:
         >>> import datetime
         >>> import torch.distributed as dist
-        >>> from ignite_ext.distributed.store.wire import WireStore, prove
+        >>> import torch
+        >>> from ignite_ext.distributed.store.wire import WireStore, flavour_for
         >>> server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=5), wait_for_workers=False)
-        >>> flavour, _ = prove("127.0.0.1", server.port, "", server, "proof")
+        >>> flavour = flavour_for(torch.__version__)
         >>> wire = WireStore("127.0.0.1", server.port, "", timeout=5.0, flavour=flavour)
         >>> wire.add("n", 2), server.add("n", 1), wire.read("n"), wire.read("missing")
         (2, 3, b'3', None)
@@ -95,6 +98,7 @@ class WireStore:
     """
 
     def __init__(self, host: str, port: int, prefix: str, timeout: float | None, flavour: str = "validated") -> None:
+        self.flavour = flavour  # a key of FLAVOURS
         self._op = FLAVOURS[flavour]
         self._prefix = "/" + prefix  # TCPStore itself puts "/" before every key
         self._sock = socket.create_connection((host, port), timeout=timeout if timeout is not None else 30.0)
@@ -215,44 +219,88 @@ def _prove_one(wire: WireStore, client: _Torch, probe: str) -> str | None:
     return None
 
 
-def prove(host: str, port: int, prefix: str, client: object, probe: str) -> tuple[str | None, str]:
-    """Find the flavour of torch's protocol that ``client`` (the rank's torch client, under ``prefix``) speaks.
-
-    Each flavour of :data:`FLAVOURS` in turn runs every opcode used here on keys under ``probe`` (deleted after),
-    each checked against ``client``: about 12 requests, once per process. Returns ``(flavour, "")``, or
-    ``(None, why)`` when no flavour agreed on every opcode.
+def prove(host: str, port: int, prefix: str, client: object, probe: str, flavour: str) -> tuple[str | None, str]:
+    """Whether ``client`` speaks ``flavour`` (see :func:`connect_proven`), the connection closed after.
 
     Examples:
         >>> import datetime
         >>> import torch.distributed as dist
-        >>> from ignite_ext.distributed.store.wire import prove
+        >>> import torch
+        >>> from ignite_ext.distributed.store.wire import flavour_for, prove
         >>> server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=5), wait_for_workers=False)
-        >>> prove("127.0.0.1", server.port, "", server, "proof")[0] in ("validated", "legacy")
+        >>> ours = flavour_for(torch.__version__)
+        >>> prove("127.0.0.1", server.port, "", server, "proof", ours)[0] == ours
         True
-        >>> flavour, why = prove("127.0.0.1", server.port, "elsewhere/", server, "proof")  # not where torch writes
+        >>> flavour, why = prove("127.0.0.1", server.port, "elsewhere/", server, "proof", ours)  # not torch's keys
         >>> flavour, "SET disagreed" in why
         (None, True)
 
     .. versionadded:: 0.4.0
     """
+    wire, why = connect_proven(host, port, prefix, client, probe, flavour)
+    if wire is None:
+        return None, why
+    wire.close()
+    return wire.flavour, ""
+
+
+def flavour_for(torch_version: str) -> str:
+    """The protocol flavour of the TCPStore that ``torch_version`` serves and speaks (the job's own torch).
+
+    Only that flavour is tried: a request of the other flavour is garbage to a server (a ``legacy`` server
+    reads the validation number as the length of a key; a ``validated`` one logs the stranger by its name,
+    which can cost its one thread a DNS timeout).
+
+    Examples:
+        >>> from ignite_ext.distributed.store.wire import flavour_for
+        >>> flavour_for("2.1.2+cu121"), flavour_for("2.5.1"), flavour_for("2.13.0+cpu")
+        ('legacy', 'validated', 'validated')
+
+    .. versionadded:: 0.4.0
+    """
+    release = tuple(int(part) for part in torch_version.split("+")[0].split(".")[:2] if part.isdigit())
+    return "legacy" if release < _FIRST_VALIDATED else "validated"
+
+
+#: The first torch release whose TCPStore starts each connection with VALIDATE (see scripts/compat.sh's runs).
+_FIRST_VALIDATED = (2, 2)
+
+#: Connections a proof may open: a server that closes one under load gets another chance, not a verdict.
+_TRIES = 3
+
+
+def connect_proven(
+    host: str, port: int, prefix: str, client: object, probe: str, flavour: str
+) -> tuple[WireStore | None, str]:
+    """A wire client that speaks as ``client`` (the rank's torch client, under ``prefix``) does, proven.
+
+    Every opcode used here runs on keys under ``probe`` (deleted after), each checked against ``client``: about
+    12 requests, once per process, in ``flavour`` only (:func:`flavour_for`). Returns the open connection that
+    passed (the caller keeps or closes it: the cut listener keeps it, so the proof costs the store no connection
+    of its own), or ``(None, why)``.
+
+    .. versionadded:: 0.4.0
+    """
     torch_client: _Torch = client  # type: ignore[assignment]
-    why = []
-    for flavour in FLAVOURS:
+    why = ""
+    for _ in range(_TRIES):
         try:
             wire = WireStore(host, port, prefix, timeout=5.0, flavour=flavour)
         except (OSError, struct.error) as exc:
-            why.append(f"{flavour}: {type(exc).__name__}: {exc}")
+            why = f"{flavour}: {type(exc).__name__}: {exc}"
             continue
         try:
             failed = _prove_one(wire, torch_client, probe)
         except (OSError, struct.error, RuntimeError) as exc:  # RuntimeError: torch's client timed out on a key
             failed = f"{type(exc).__name__}: {exc}".splitlines()[0]
         finally:
-            wire.close()
             for suffix in ("s", "g", "a", "c"):
                 with contextlib.suppress(RuntimeError):
                     torch_client.delete_key(f"{probe}/{suffix}")
         if failed is None:
-            return flavour, ""
-        why.append(f"{flavour}: {failed} disagreed" if " " not in failed else f"{flavour}: {failed}")
-    return None, "; ".join(why)
+            return wire, ""
+        wire.close()
+        why = f"{flavour}: {failed} disagreed" if " " not in failed else f"{flavour}: {failed}"
+        if " " not in failed:
+            break  # an answer that disagrees is a verdict; a lost connection may be the load's
+    return None, why
