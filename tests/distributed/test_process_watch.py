@@ -21,7 +21,7 @@ from ignite_ext.distributed._store import NAMESPACE_KEY, clone, cut_key, default
 from ignite_ext.distributed.liveness.keeper import process_identity, running
 from ignite_ext.distributed.liveness.watch import CutListener, wire_address
 from ignite_ext.distributed.store.wire import FLAVOURS, WireStore, prove
-from tests._world import World, run_world
+from tests._world import World
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -79,16 +79,16 @@ def body_holds_the_gil_in_its_first_block(seconds: float, before: bool = False) 
         return {"outcome": type(exc).__name__, "dead": list(exc.dead), "after": time.monotonic() - start}
 
 
-@pytest.mark.distributed
-def test_a_gil_hold_before_the_first_block_once_the_keeper_runs_is_not_a_death() -> None:
+def test_a_gil_hold_before_the_first_block_once_the_keeper_runs_is_not_a_death(world: World) -> None:
     # Before any block, a rank beats from its group's start (the group watcher) and its keeper starts right after:
     # a hold from then on is beaten for. (One that starts before the keeper runs, a fraction of a second after
     # init_process_group, and lasts longer than T is a death, as a hang is: the scheduling guide says so.)
     t = 2.0
-    results = run_world(
+    results = world.results(
         body_holds_the_gil_in_its_first_block,
-        2,
-        args=(3 * t, True),
+        3 * t,
+        True,
+        nprocs=2,
         env={"IGNITE_EXT_HEARTBEAT_TIMEOUT": str(t)},
         deadline=120,
     )
