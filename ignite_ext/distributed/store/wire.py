@@ -4,9 +4,10 @@ The keeper (:mod:`~ignite_ext.distributed.liveness.keeper`) is a process without
 not hold a torch client's lock: both talk to the group's store with :class:`WireStore`. The protocol is torch's
 own, private and versioned (``torch/csrc/distributed/c10d/TCPStoreBackend.hpp``, ``enum class QueryType``):
 
-* ``validated`` (torch 2.2 and later, proven on 2.5.1, 2.13.0 and 2.14.1): a connection starts with ``VALIDATE``
-  and the magic number, and the opcodes are numbered from ``VALIDATE = 0``; ``PING`` answers its nonce.
-* ``legacy`` (torch 2.1, proven on 2.1.2): no validation, the opcodes numbered from ``SET = 0``, no ``PING``.
+* ``validated`` (torch 2.2 and later, proven on 2.5.1, 2.13.0 and 2.14.1, checked by hand on 2.2.2): a
+  connection starts with ``VALIDATE`` and the magic number, and the opcodes are numbered from ``VALIDATE = 0``
+  (``PING`` came later than 2.2: not used).
+* ``legacy`` (torch 2.1, proven on 2.1.2): no validation, the opcodes numbered from ``SET = 0``.
 
 Each request is its opcode (one byte) and its arguments: a string is its length (``uint64``, little endian) and
 its bytes, a count an ``uint64``, an amount an ``int64``. ``CHECK`` answers one byte (0: every key is set), ``WAIT``
@@ -26,7 +27,6 @@ This module imports the standard library only: the keeper loads it by its path.
 from __future__ import annotations
 
 import contextlib
-import os
 import socket
 import struct
 from collections.abc import Callable, Sequence
@@ -53,9 +53,6 @@ class Opcodes:
         for number, name in enumerate(names):
             setattr(self, name, number)
         self.validated = "VALIDATE" in first
-        #: PING's number (only ``validated`` servers have it): after GETNUMKEYS, DELETE_KEY, APPEND, MULTI_GET,
-        #: MULTI_SET, CANCEL_WAIT.
-        self.PING = 13 if self.validated else None
 
     VALIDATE: int
     SET: int
@@ -104,11 +101,8 @@ class WireStore:
         self._sock = socket.create_connection((host, port), timeout=timeout if timeout is not None else 30.0)
         self._sock.settimeout(timeout)
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if self._op.validated and self._op.PING is not None:
-            nonce = os.getpid() & 0xFFFFFFFF
-            self._sock.sendall(struct.pack("<BI", self._op.VALIDATE, MAGIC) + struct.pack("<BI", self._op.PING, nonce))
-            if struct.unpack("<I", self._exactly(4))[0] != nonce:
-                raise ConnectionError("not a TCPStore: the ping came back wrong")
+        if self._op.validated:  # no PING: torch 2.2 validates but has none (the proof checks every answer anyway)
+            self._sock.sendall(struct.pack("<BI", self._op.VALIDATE, MAGIC))
 
     def settimeout(self, timeout: float | None) -> None:
         """Seconds a request may take from now on (None: for ever)."""
