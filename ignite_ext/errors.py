@@ -68,6 +68,9 @@ class RankFailure:
         exc_type: qualified name of the exception type, e.g. ``"OSError"``; ``"RankDiedError"`` for a dead rank.
         message: ``str()`` of the exception, truncated to a few KiB; for a dead rank, how its death was noticed.
         died: True when the rank did not report at all: its heartbeat stopped (killed, lost with its node, hung).
+        where: where the block raised: the innermost frames of the failing rank's traceback, formatted as Python
+            prints them (empty for a dead rank). The waiting ranks usually exit first, so their error is the
+            traceback a launcher shows: this is what tells the user where the first rank failed.
 
     Examples:
         >>> from ignite_ext.errors import RankFailure
@@ -75,21 +78,32 @@ class RankFailure:
         'rank 0: OSError: disk full'
         >>> str(RankFailure(3, "RankDiedError", "no heartbeat for 30 s", died=True))
         'rank 3 died: no heartbeat for 30 s'
+        >>> print(RankFailure(0, "OSError", "disk full", where='  File "prepare.py", line 12, in fetch'))
+        rank 0: OSError: disk full
+          rank 0's traceback, innermost frames:
+            File "prepare.py", line 12, in fetch
 
     .. versionadded:: 0.1.0
     .. versionchanged:: 0.2.0
         ``died`` tells a dead rank from one whose block raised.
+    .. versionchanged:: 0.4.0
+        ``where``: the innermost frames of the failing rank's traceback.
     """
 
     rank: int
     exc_type: str
     message: str
     died: bool = False
+    where: str = ""
 
     def __str__(self) -> str:
         if self.died:
             return f"rank {self.rank} died: {self.message}"
-        return f"rank {self.rank}: {self.exc_type}: {self.message}"
+        text = f"rank {self.rank}: {self.exc_type}: {self.message}"
+        if self.where:
+            frames = "".join(f"  {line}\n" for line in self.where.rstrip("\n").split("\n"))
+            text += f"\n  rank {self.rank}'s traceback, innermost frames:\n{frames.rstrip()}"
+        return text
 
 
 class RankFailedError(IgniteExtError, RuntimeError):
@@ -126,9 +140,12 @@ class RankFailedError(IgniteExtError, RuntimeError):
         super().__init__(self._message())
 
     def _message(self) -> str:
-        details = "; ".join(str(f) for f in self.failures)
+        details = [str(f) for f in self.failures]
         prefix = f"{self.context}: " if self.context else ""
-        return f"{prefix}rank(s) {list(self.ranks)} failed inside the scheduled block ({details})"
+        head = f"{prefix}rank(s) {list(self.ranks)} failed inside the scheduled block"
+        if any("\n" in d for d in details):  # tracebacks: one failure per paragraph, as Python prints them
+            return head + ":\n" + "\n".join(details)
+        return f"{head} ({'; '.join(details)})"
 
     def __reduce__(self) -> tuple[type[RankFailedError], tuple[tuple[RankFailure, ...], str]]:
         return type(self), (self.failures, self.context)

@@ -13,9 +13,11 @@ fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 STAMP="$VENV/.ignite_ext-installed"
 if [ ! -f "$STAMP" ] || [ setup.py -nt "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ]; then
-  echo "[setup] installing torch==2.13.0 (CPU build), then ignite_ext[${EXTRAS:-dev}]"
+  echo "[setup] installing torch==2.13.0 (the CPU build, ~200 MB: a minute or two) ..."
   "$VENV/bin/pip" install -q "torch==2.13.0"
+  echo "[setup] installing ignite_ext[${EXTRAS:-dev}] and its dependencies ..."
   "$VENV/bin/pip" install -q -e ".[${EXTRAS:-dev}]"
   touch "$STAMP"
+  echo "[setup] done: $VENV"
 fi
 export PATH="$VENV/bin:$PATH"

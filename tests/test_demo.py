@@ -49,6 +49,10 @@ def test_demo_fetches_once_per_job_and_hits_the_cache_from_epoch_two() -> None:
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{out}\nstderr:\n{err[-3000:]}"
 
     assert "== ignite_ext demo: 4 ranks on 2 nodes, 2 epochs ==" in out, out
+    # Start-up and training say what they are doing, before the report.
+    said = [line for line in out.splitlines() if line.startswith("[demo] ")]
+    for step in ("starting 2 node launchers", "process group up (4 gloo ranks)", "training 2 epochs", "epoch 2 done"):
+        assert sum(step in line for line in said) == 1, (step, said)
     assert re.search(r"server sent [\d.]+ MB: 1\.00 archive for 2 nodes", out), out
     rows = re.findall(r"^\s*(\d+) \|\s+[\d.]+ \|\s+(\d+)% \|\s+(\d+) \|", out, re.M)
     assert [(epoch, rate) for epoch, rate, _ in rows] == [("1", "0"), ("2", "100")], out

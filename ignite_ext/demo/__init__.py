@@ -179,6 +179,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = Path(tmp) / "config.json"
         config.write_text(json.dumps({**asdict(cfg), "node_roots": list(node_roots)}))
         print(f"[demo] {args.nnodes} nodes x {args.nproc_per_node} ranks, data from {url}", flush=True)
+        print(
+            f"[demo] starting {args.nnodes} node launchers (idist.Parallel): each spawns its ranks, which import "
+            "torch and form the process group (several seconds)",
+            flush=True,
+        )
         try:
             _launch(args, config)
         finally:

@@ -69,6 +69,12 @@ def _fetch(cfg: DemoConfig) -> tuple[Path, float]:
     return data, time.perf_counter() - start
 
 
+def _say(what: str) -> None:
+    """One line of the demo's progress, from rank 0 only (the others would repeat it)."""
+    if idist.get_rank() == 0:
+        print(f"[demo] {what}", flush=True)
+
+
 def _record_epochs(trainer: Engine, history: list[dict[str, float]]) -> None:
     started: list[float] = []
 
@@ -88,6 +94,7 @@ def _record_epochs(trainer: Engine, history: list[dict[str, float]]) -> None:
                 "loss": float(engine.state.output),  # type: ignore[arg-type]
             }
         )
+        _say(f"epoch {engine.state.epoch} done in {history[-1]['seconds']:.2f} s")
 
 
 def training(local_rank: int, cfg: DemoConfig) -> None:
@@ -97,6 +104,7 @@ def training(local_rank: int, cfg: DemoConfig) -> None:
     """
     torch.manual_seed(0)
     rank, node = idist.get_rank(), idist.get_node_rank()
+    _say(f"process group up ({idist.get_world_size()} gloo ranks); fetching the archive once for the job")
     data, fetch_seconds = _fetch(cfg)
 
     # Decoded images are cached; the random flip runs in the DataLoader workers on every read.
@@ -123,6 +131,7 @@ def training(local_rank: int, cfg: DemoConfig) -> None:
     CacheStatsHandler(train_set, reduce="world").attach(trainer, name="cache")
     history: list[dict[str, float]] = []
     _record_epochs(trainer, history)
+    _say(f"data ready on every node; training {cfg.epochs} epochs (the first fills the node caches)")
     trainer.run(loader, max_epochs=cfg.epochs)
 
     evaluator = create_supervised_evaluator(model, metrics={"accuracy": Accuracy()})

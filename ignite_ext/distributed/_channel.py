@@ -52,13 +52,13 @@ def log() -> logging.Logger:
 
 def encode_failures(failures: Iterable[RankFailure]) -> bytes:
     """The failures a rank reports, as the bytes other ranks read (ASCII JSON)."""
-    return json.dumps([[f.rank, f.exc_type, f.message, f.died] for f in failures]).encode()
+    return json.dumps([[f.rank, f.exc_type, f.message, f.died, f.where] for f in failures]).encode()
 
 
 def decode_failures(payload: bytes) -> list[RankFailure]:
     """The failures in ``payload`` (see :func:`encode_failures`); a line after it (who wrote it) is ignored."""
     text = payload.split(b"\n", 1)[0].decode()
-    return [RankFailure(int(r), str(t), str(m), bool(d)) for r, t, m, d in json.loads(text)]
+    return [RankFailure(int(r), str(t), str(m), bool(d), str(w)) for r, t, m, d, w in json.loads(text)]
 
 
 class Channel(ABC):

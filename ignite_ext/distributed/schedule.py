@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 import threading
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -29,6 +30,8 @@ from ignite_ext.errors import CollectiveError, RankFailedError, RankFailure
 __all__ = ["at_block_end", "current_block", "one_rank_first", "rank_scheduler"]
 
 _MAX_MESSAGE = 2000
+#: The innermost frames of a failing block's traceback that its failure carries to the other ranks.
+_WHERE_FRAMES = 3
 # The package's own policies plan from the agreed world alone: the same on every rank by construction.
 _BUILTIN = (MasterFirst, Ordered, SharedPath)
 # Per thread: for each scheduled block it is in (outermost first), what to call once this rank has left it.
@@ -205,7 +208,10 @@ def _failure(rank: int, exc: BaseException) -> RankFailure:
         message = f"<str() of the exception raised {type(inner).__name__}>"
     if len(message) > _MAX_MESSAGE:
         message = message[:_MAX_MESSAGE] + "..."
-    return RankFailure(rank, type(exc).__qualname__, message)
+    where = "".join(traceback.format_list(traceback.extract_tb(exc.__traceback__)[-_WHERE_FRAMES:]))
+    if len(where) > _MAX_MESSAGE:
+        where = "..." + where[-_MAX_MESSAGE:]
+    return RankFailure(rank, type(exc).__qualname__, message, where=where)
 
 
 @contextmanager

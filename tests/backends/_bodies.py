@@ -98,6 +98,7 @@ def observe(
         if isinstance(exc, idist.RankFailedError):
             seen.update(outcome="RankFailedError", ranks=list(exc.ranks), message=str(exc))
             seen["failures"] = [(f.rank, f.exc_type, f.message) for f in exc.failures]
+            seen["where"] = [f.where for f in exc.failures]
         else:
             seen.update(outcome=type(exc).__name__, message=str(exc))
     seen["left"] = time.monotonic()

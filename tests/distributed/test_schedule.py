@@ -161,6 +161,9 @@ def test_first_rank_failure_reaches_every_waiting_rank(world: World) -> None:
         assert s["ran"] is False, "a waiting rank ran the block after the first rank failed"
         assert s["failures"] == [(0, "OSError", "disk full on rank 0")]
         assert "rank(s) [0]" in s["message"] and "OSError" in s["message"]
+        # Where rank 0 failed, in its own words: waiting ranks exit first, so theirs is the traceback users see.
+        assert "_bodies.py" in s["where"][0] and "in block" in s["where"][0], s["where"]
+        assert 'raise OSError(f"disk full on rank {rank}")' in s["message"], s["message"]
     assert [s["sum"] for s in seen] == [len(seen)] * len(seen), "the world is unusable after the failure"
 
 
