@@ -30,6 +30,7 @@ from ignite_ext.data.sampler import (
     shard_indices,
     unconsumed_indices,
 )
+from ignite_ext.data.sampler.mixing import mixed_shards
 
 FAST = settings(deadline=None, max_examples=80, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 
@@ -200,8 +201,33 @@ def world_of(n: int, layout: Layout, **kw: Any) -> list[ShardedDistributedSample
 def test_samplers_resumed_on_other_worlds_realise_the_maths_and_then_keep_the_new_shards(
     n: int, worlds: list[Layout], cuts: list[float], drop_last: bool, epoch: int, seed: int
 ) -> None:
+    resume_across_worlds(n, worlds, cuts, drop_last, epoch, seed, mix=0.0)
+
+
+@FAST
+@given(
+    n=st.integers(0, 250),
+    worlds=st.lists(layouts(8), min_size=2, max_size=3),
+    cuts=st.lists(st.floats(0, 1), min_size=2, max_size=2),
+    drop_last=st.booleans(),
+    epoch=st.integers(0, 50),
+    seed=st.integers(0, 2**20),
+    mix=st.sampled_from([0.05, 0.25, 1.0]),
+)
+def test_mixing_samplers_resumed_on_other_worlds_see_the_epoch_once_and_mix_on_from_there(
+    n: int, worlds: list[Layout], cuts: list[float], drop_last: bool, epoch: int, seed: int, mix: float
+) -> None:
+    resume_across_worlds(n, worlds, cuts, drop_last, epoch, seed, mix=mix)
+
+
+def resume_across_worlds(
+    n: int, worlds: list[Layout], cuts: list[float], drop_last: bool, epoch: int, seed: int, mix: float
+) -> None:
+    """An epoch run over ``worlds`` by real samplers, each world loading the state of the one before: what they
+    yield is what the maths says, and the next epoch deals the last world's shards of that epoch (fixed, or mixed
+    on the same ``(seed, epoch)`` schedule)."""
     assume(all(a != b for a, b in pairwise(worlds)))  # the same world again continues the segment, unrestriped
-    kw = {"seed": seed, "drop_last": drop_last}
+    kw: dict[str, Any] = {"seed": seed, "drop_last": drop_last, "mix": mix}
     yielded: list[int] = []
     state: dict[str, Any] | None = None
     for number, layout in enumerate(worlds):
@@ -225,14 +251,17 @@ def test_samplers_resumed_on_other_worlds_realise_the_maths_and_then_keep_the_ne
         state = states[0]
     expected, _ = epoch_over(n, worlds, cuts, epoch=epoch, shuffle=True, **kw)
     assert sorted(yielded) == sorted(expected)
-    # the next epoch: the last world's fixed shards, whole
+    # the next epoch: the last world's shards (fixed, or that epoch's mixed ones), whole
     for sampler in samplers:
         sampler.set_epoch(epoch + 1)
         assert sampler.state_dict()["history"] == []
         assert list(sampler) == sampler.indices(epoch + 1)
         if n >= sampler.num_shards:
-            start, stop = shard_bounds(n, sampler.num_shards, sampler.shard)
-            assert set(sampler.indices(epoch + 1)) <= set(range(start, stop))
+            shard = mixed_shards(n, sampler.num_shards, seed, epoch + 1, mix)[sampler.shard]
+            assert set(sampler.indices(epoch + 1)) <= set(shard)
+            if mix == 0.0:
+                start, stop = shard_bounds(n, sampler.num_shards, sampler.shard)
+                assert shard == list(range(start, stop))
 
 
 def test_state_grows_by_one_small_entry_per_world_and_holds_no_indices() -> None:

@@ -3,6 +3,7 @@
 The modules of this package:
 
 * ``indices``: the index maths of a fresh epoch, as pure functions of ``(n, shards, shard, seed, epoch)``;
+* ``mixing``: shards that exchange a fraction of their samples each epoch (``mix=``), as pure functions;
 * ``layout``: :class:`~ignite_ext.data.sampler.layout.Layout`, how an epoch is dealt over a world (ranks, or
   nodes of ranks), and the sampler's arguments resolved into one with defaults from :mod:`ignite_ext.distributed`;
 * ``restripe``: the rest of an epoch dealt over another world after a change of world size, as pure functions;

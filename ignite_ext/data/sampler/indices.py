@@ -153,7 +153,7 @@ def pool_order(
     shuffle: bool,
     segment: int = 0,
 ) -> list[int]:
-    """Return one shard's ``length`` indices of one epoch, cut from ``pool`` (the epoch's indices, ascending).
+    """Return one shard's ``length`` indices of one epoch, cut from ``pool`` (the epoch's indices).
 
     The shard owns positions :func:`shard_bounds` ``(len(pool), num_shards, shard)`` of ``pool``; it is padded
     with its own samples or trimmed to ``length`` (a window that moves on each epoch), then shuffled with a
@@ -163,7 +163,8 @@ def pool_order(
     (:mod:`ignite_ext.data.sampler.restripe`).
 
     Args:
-        pool: the indices to deal, ascending.
+        pool: the indices to deal: ``range(n)``, a fresh epoch's mixed shards one after another
+            (:func:`~ignite_ext.data.sampler.mixing.epoch_pool`), or the rest of an epoch, ascending.
         num_shards: number of shards, ``>= 1``.
         shard: this shard, ``0 <= shard < num_shards``.
         length: how many indices the shard yields, ``>= 0``.

@@ -101,13 +101,14 @@ class Layout:
     def orders(
         self, pool: Sequence[int], *, seed: int, epoch: int, drop_last: bool, shuffle: bool, segment: int = 0
     ) -> list[list[int]]:
-        """Return what every rank yields when ``pool`` (ascending) is dealt, by shard and then local rank.
+        """Return what every rank yields when ``pool`` is dealt, by shard and then local rank.
 
         A shard's order is computed once and dealt strided to its ranks (local rank ``l`` takes positions
         ``l, l + P, ...``), as :func:`~ignite_ext.data.sampler.indices.node_shard_indices` does.
 
         Args:
-            pool: the indices to deal, ascending (``range(n)`` for a fresh epoch).
+            pool: the indices to deal, in contiguous blocks (a fresh epoch's
+                :func:`~ignite_ext.data.sampler.mixing.epoch_pool`, or the rest of an epoch, ascending).
             seed: base seed.
             epoch: epoch number.
             drop_last: every rank yields ``floor(len(pool) / R)`` instead of ``ceil``.

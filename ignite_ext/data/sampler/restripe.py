@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from ignite_ext.data.sampler.indices import check_int
 from ignite_ext.data.sampler.layout import Layout
+from ignite_ext.data.sampler.mixing import epoch_pool
 
 __all__ = ["Segment", "restripe", "unconsumed_indices"]
 
@@ -43,7 +44,7 @@ class Segment:
 
 
 def unconsumed_indices(
-    n: int, segments: Sequence[Segment], *, seed: int, epoch: int, drop_last: bool, shuffle: bool
+    n: int, segments: Sequence[Segment], *, seed: int, epoch: int, drop_last: bool, shuffle: bool, mix: float = 0.0
 ) -> list[int]:
     """Return the indices of an epoch that no rank consumed in ``segments``, ascending.
 
@@ -58,6 +59,8 @@ def unconsumed_indices(
         epoch: epoch number.
         drop_last: the sampler's ``drop_last``.
         shuffle: the sampler's ``shuffle``.
+        mix: the sampler's ``mix``: segment 0 deals the epoch's mixed shards
+            (:func:`~ignite_ext.data.sampler.mixing.epoch_pool` of its layout).
 
     Returns:
         The remaining indices, ascending.
@@ -73,7 +76,10 @@ def unconsumed_indices(
 
     .. versionadded:: 0.2.0
     """
-    pool: Sequence[int] = range(check_int("n", n, 0))
+    n = check_int("n", n, 0)
+    pool: Sequence[int] = range(n)
+    if segments:
+        pool = epoch_pool(n, segments[0].layout.shards, seed, epoch, mix)
     for number, segment in enumerate(segments):
         length = segment.layout.length(len(pool), drop_last)
         consumed = check_int("consumed", segment.consumed, 0)
@@ -93,7 +99,7 @@ def unconsumed_indices(
             for idx in order[:consumed]:
                 seen[idx] = 1
         pool = [idx for idx in pool if not seen[idx]]
-    return list(pool)
+    return sorted(pool)
 
 
 def restripe(
@@ -107,6 +113,7 @@ def restripe(
     epoch: int,
     drop_last: bool,
     shuffle: bool,
+    mix: float = 0.0,
 ) -> list[int]:
     """Return what the rank at ``(shard, local)`` of ``layout`` yields for the rest of an epoch.
 
@@ -125,6 +132,7 @@ def restripe(
         epoch: epoch number.
         drop_last: the sampler's ``drop_last``.
         shuffle: the sampler's ``shuffle``.
+        mix: the sampler's ``mix`` (with no segments, the epoch's mixed shards are dealt).
 
     Returns:
         This rank's indices for the rest of the epoch; every rank of ``layout`` gets as many.
@@ -141,9 +149,12 @@ def restripe(
 
     .. versionadded:: 0.2.0
     """
-    pool: Sequence[int] = range(check_int("n", n, 0))
+    n = check_int("n", n, 0)
+    pool: Sequence[int]
     if segments:
-        pool = unconsumed_indices(n, segments, seed=seed, epoch=epoch, drop_last=drop_last, shuffle=shuffle)
+        pool = unconsumed_indices(n, segments, seed=seed, epoch=epoch, drop_last=drop_last, shuffle=shuffle, mix=mix)
+    else:
+        pool = epoch_pool(n, layout.shards, seed, epoch, mix)
     return layout.order(
         pool,
         shard,

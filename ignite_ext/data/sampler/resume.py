@@ -4,7 +4,7 @@ A state is plain values, the same on every rank (ranks train in lockstep), so th
 loaded by every rank of the next world, whatever its size::
 
     {"epoch": 3, "consumed": 40,                          # position of the current segment, on every rank
-     "dataset_len": 1000, "seed": 0, "shuffle": True, "drop_last": False,     # must match when loaded
+     "dataset_len": 1000, "seed": 0, "shuffle": True, "drop_last": False, "mix": 0.0,   # must match
      "num_replicas": 4, "shard_by": "rank", "num_shards": 4,                  # the world it was saved on
      "history": [{"num_replicas": 8, "shard_by": "rank", "num_shards": 8, "consumed": 25}]}
 
@@ -16,8 +16,13 @@ world changed during the epoch): O(1) values per change of world size, never ind
 * on another world (``num_replicas``, ``shard_by`` or the node count changed): the saved world becomes one more
   segment of ``history`` and the rest of the epoch is restriped over the new world
   (:mod:`ignite_ext.data.sampler.restripe`), from its start;
-* with another ``dataset_len``, ``seed``, ``shuffle`` or ``drop_last``: a ``ValueError``, since the positions
-  would name other samples. States without those keys (written by 0.1.0) are taken as matching.
+* with another ``dataset_len``, ``seed``, ``shuffle``, ``drop_last`` or ``mix``: a ``ValueError``, since the
+  positions would name other samples. States without those keys (written by 0.1.0) are taken as matching, except
+  ``mix``: a state without it (written before 0.4.0) mixed nothing.
+
+With ``mix``, the epoch's first world dealt its mixed shards (:func:`~ignite_ext.data.sampler.mixing.epoch_pool`
+of that world's shard count), which the replay recomputes; the next epochs mix on the new world, from the same
+``(seed, epoch)`` schedule.
 
 .. versionadded:: 0.2.0
 """
@@ -35,7 +40,7 @@ from ignite_ext.distributed.agreement import disagreement
 
 __all__ = ["Config", "Position", "read_state", "resumed_order", "same_everywhere", "write_state"]
 
-_CONFIG_KEYS = ("dataset_len", "seed", "shuffle", "drop_last")
+_CONFIG_KEYS = ("dataset_len", "seed", "shuffle", "drop_last", "mix")
 
 
 class Config(NamedTuple):
@@ -45,6 +50,7 @@ class Config(NamedTuple):
     seed: int
     shuffle: bool
     drop_last: bool
+    mix: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -109,7 +115,7 @@ def read_state(state: Mapping[str, Any], config: Config, layout: Layout) -> Posi
 
     Raises:
         ValueError: a key is missing or malformed, or the state was saved with another ``dataset_len``,
-            ``seed``, ``shuffle`` or ``drop_last``.
+            ``seed``, ``shuffle``, ``drop_last`` or ``mix`` (a state without ``mix`` was saved with none).
         TypeError: ``epoch`` or ``consumed`` is not an int.
 
     Examples:
@@ -129,9 +135,10 @@ def read_state(state: Mapping[str, Any], config: Config, layout: Layout) -> Posi
     epoch = check_int("epoch", state["epoch"])
     consumed = check_int("consumed", state["consumed"], 0)
     mine = config._asdict()
-    changed = [key for key in _CONFIG_KEYS if key in state and state[key] != mine[key]]
+    saved_config = {"mix": 0.0, **state}  # a state saved before mixing existed mixed nothing
+    changed = [key for key in _CONFIG_KEYS if key in saved_config and saved_config[key] != mine[key]]
     if changed:
-        saved = ", ".join(f"{key}={state[key]!r}" for key in changed)
+        saved = ", ".join(f"{key}={saved_config[key]!r}" for key in changed)
         now = ", ".join(f"{key}={mine[key]!r}" for key in changed)
         raise ValueError(
             f"the sampler state was saved with {saved}, this sampler has {now}: its positions name other samples. "
@@ -172,6 +179,7 @@ def resumed_order(config: Config, layout: Layout, shard: int, local: int, positi
             epoch=position.epoch,
             drop_last=config.drop_last,
             shuffle=config.shuffle,
+            mix=config.mix,
         )
         length = len(order)
     if position.consumed > length:

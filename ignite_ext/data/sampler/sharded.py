@@ -22,6 +22,7 @@ from torch.utils.data import Dataset, DistributedSampler
 import ignite_ext.distributed as idist
 from ignite_ext.data.sampler.indices import check_int, samples_per_replica
 from ignite_ext.data.sampler.layout import resolve_placement
+from ignite_ext.data.sampler.mixing import check_mix, epoch_pool
 from ignite_ext.data.sampler.restripe import Segment
 from ignite_ext.data.sampler.resume import Config, Position, read_state, resumed_order, same_everywhere, write_state
 
@@ -78,6 +79,12 @@ class ShardedDistributedSampler(DistributedSampler[int]):
             ``nnodes`` is given, else ``idist.get_nproc_per_node()``.
         local_rank: this process on its node; default ``rank % nproc_per_node`` when ``rank`` is given, else
             ``idist.get_local_rank()``.
+        mix: the fraction of every shard exchanged with the other shards each epoch, in ``[0, 1]``; ``0`` (the
+            default) keeps the shards fixed. Each epoch about ``mix`` of a shard's samples move to other shards
+            and as many arrive, drawn from ``(seed, epoch)`` alike on every rank, so a shard's content is renewed
+            over about ``1 / mix`` epochs while a cache keeps hitting on the rest; every epoch still covers the
+            dataset once, each shard keeps its size, and the rank's order is a permutation of its shard
+            (:mod:`~ignite_ext.data.sampler.mixing`).
 
     Attributes:
         num_shards: how many shards the dataset is cut into: ``num_replicas``, or ``nnodes`` with
@@ -121,6 +128,8 @@ class ShardedDistributedSampler(DistributedSampler[int]):
     .. versionadded:: 0.1.0
     .. versionchanged:: 0.2.0
         A state saved on another world size continues its epoch (restriped) instead of restarting it.
+    .. versionchanged:: 0.4.0
+        ``mix``: shards that exchange a fraction of their samples each epoch.
     """
 
     def __init__(
@@ -137,11 +146,13 @@ class ShardedDistributedSampler(DistributedSampler[int]):
         node_rank: int | None = None,
         nproc_per_node: int | None = None,
         local_rank: int | None = None,
+        mix: float = 0.0,
     ) -> None:
         if not isinstance(dataset, Sized):
             raise TypeError(f"dataset must have a length (a map-style dataset), got {type(dataset).__name__}")
         place = resolve_placement(num_replicas, rank, shard_by, nnodes, node_rank, nproc_per_node, local_rank)
         seed = check_int("seed", seed)
+        mix = check_mix(mix)
         # Explicit values: torch's constructor would otherwise ask torch.distributed, which is not initialised
         # under Horovod, XLA or in serial mode.
         super().__init__(
@@ -153,6 +164,7 @@ class ShardedDistributedSampler(DistributedSampler[int]):
             drop_last=drop_last,
         )
         self.shard_by: Literal["rank", "node"] = shard_by
+        self.mix = mix
         self.layout = place.layout
         self.nnodes: int | None = place.nnodes
         self.node_rank: int | None = place.node_rank
@@ -195,12 +207,13 @@ class ShardedDistributedSampler(DistributedSampler[int]):
 
         .. versionadded:: 0.1.0
         """
+        epoch = check_int("epoch", self.epoch if epoch is None else epoch)
         return self.layout.order(
-            range(self._dataset_len),
+            epoch_pool(self._dataset_len, self.num_shards, self.seed, epoch, self.mix),
             self.shard,
             self._local,
             seed=self.seed,
-            epoch=check_int("epoch", self.epoch if epoch is None else epoch),
+            epoch=epoch,
             drop_last=self.drop_last,
             shuffle=self.shuffle,
         )
@@ -309,7 +322,7 @@ class ShardedDistributedSampler(DistributedSampler[int]):
         self._consumed = min(check_int("consumed", consumed, 0), self._pass_length())
 
     def _config(self) -> Config:
-        return Config(self._dataset_len, self.seed, self.shuffle, self.drop_last)
+        return Config(self._dataset_len, self.seed, self.shuffle, self.drop_last, self.mix)
 
     def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
         """Return the position in the current epoch, to be restored with :meth:`load_state_dict`.
@@ -321,9 +334,10 @@ class ShardedDistributedSampler(DistributedSampler[int]):
 
         Returns:
             ``{"epoch", "consumed"}``, the layout the position refers to (``dataset_len``, ``num_replicas``,
-            ``shard_by``, ``num_shards``, ``seed``, ``shuffle``, ``drop_last``) and the epoch's ``history``: the
-            earlier worlds it ran on, each with its layout and ``consumed`` (empty unless the world changed during
-            the epoch). Plain Python values, the same on every rank; see :mod:`ignite_ext.data.sampler.resume`.
+            ``shard_by``, ``num_shards``, ``seed``, ``shuffle``, ``drop_last``, ``mix``) and the epoch's
+            ``history``: the earlier worlds it ran on, each with its layout and ``consumed`` (empty unless the world
+            changed during the epoch). Plain Python values, the same on every rank; see
+            :mod:`ignite_ext.data.sampler.resume`.
 
         Raises:
             ValueError: ``consumed`` is negative.
@@ -366,7 +380,7 @@ class ShardedDistributedSampler(DistributedSampler[int]):
 
         Raises:
             ValueError: a key is missing or malformed; ``consumed`` is more than the saved world's ranks yield;
-                the state was saved with another ``dataset_len``, ``seed``, ``shuffle`` or ``drop_last``; the
+                the state was saved with another ``dataset_len``, ``seed``, ``shuffle``, ``drop_last`` or ``mix``; the
                 ranks loaded different states.
             TypeError: ``epoch`` or ``consumed`` is not an int.
 
