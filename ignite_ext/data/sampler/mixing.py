@@ -16,7 +16,7 @@ Hence, in every epoch and on every rank alike, without communication:
 * every shard has exactly the size it has without mixing (each holds one block of every cohort, plus the one
   extra sample a shard of ``n // S + 1`` keeps), and every sample is in exactly one shard;
 * the moving samples are exactly the chosen cohorts' blocks, and every one of them changes shard: the churn is
-  ``f`` rounded to whole cohorts (within ``1 / (2C)`` of it, ``1/1024`` by default), the same in every shard;
+  ``f`` rounded to whole cohorts (a cohort is ``1/C`` of a shard's core to one sample), the same in every shard;
 * a cohort's offset is a random walk over the shards: over epochs every sample visits every shard.
 
 Cost: ``O(n log n)`` per epoch and rank for the arrangement, plus ``O(epoch * C)`` to replay the offsets (a few
