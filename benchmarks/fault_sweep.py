@@ -260,6 +260,7 @@ def _rank_main(rank: int, trial: Trial, port: int, out: str, fire: Any) -> None:
     }
     if trial.store == "agent":
         env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+        env["TORCHELASTIC_RESTART_COUNT"] = "0"  # torchrun sets it too; torch before 2.6 requires it
     os.environ.update(env)
     counter = _REQUESTS
     counting = trial.fault in ("crash", "count")

@@ -247,6 +247,19 @@ _RENDEZVOUS_MISSED = "http_store.cc"  # where horovod's Gloo rendezvous reports 
 COLLECTIVE_CHANNEL = {"IGNITE_EXT_SCHEDULER_CHANNEL": "collective"}
 
 
+def agent_store_env(port: int, heartbeat_timeout: float) -> dict[str, str]:
+    """The environment of ranks whose store another process serves, as torchrun's agent serves it.
+
+    Torch before 2.6 also wants the restart count torchrun sets beside ``TORCHELASTIC_USE_AGENT_STORE``.
+    """
+    return {
+        "IGNITE_EXT_HEARTBEAT_TIMEOUT": str(heartbeat_timeout),
+        "MASTER_PORT": str(port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+    }
+
+
 @dataclass
 class World:
     """How to run a function on every rank of one world.

@@ -13,7 +13,7 @@ import pytest
 
 import ignite_ext.distributed as idist
 from benchmarks._store_server import StoreServer
-from tests._world import World
+from tests._world import World, agent_store_env
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -76,7 +76,7 @@ def test_a_rank_dead_after_posting_its_outcome_is_declared(world: World, victim:
     # death would take it along.
     with StoreServer() as server:
         port = server.port
-        env = {"IGNITE_EXT_HEARTBEAT_TIMEOUT": str(T), "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+        env = agent_store_env(port, T)
         results = world.results(body_dies_while_leaving, victim, env=env, deadline=90)
     assert results[victim].killed
     for r in results:
@@ -115,7 +115,7 @@ def test_rank_0_dead_after_posting_the_verdict_is_declared_in_the_plan(world: Wo
     # and declare rank 0 in the plan's wait for its outcome, waking the ranks that wait for that outcome.
     with StoreServer() as server:
         port = server.port
-        env = {"IGNITE_EXT_HEARTBEAT_TIMEOUT": str(T), "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+        env = agent_store_env(port, T)
         results = world.results(body_dies_after_posting_the_verdict, env=env, deadline=90)
     assert results[0].killed
     for r in results[1:]:
@@ -155,11 +155,7 @@ def _pause_store_inside_the_block(
 
             threading.Thread(target=watch, daemon=True).start()
 
-        env = {
-            "IGNITE_EXT_HEARTBEAT_TIMEOUT": str(heartbeat_timeout),
-            "MASTER_PORT": str(port),
-            "TORCHELASTIC_USE_AGENT_STORE": "True",
-        }
+        env = agent_store_env(port, heartbeat_timeout)
         return world.results(
             body_store_paused, str(flag), timeout, work, env=env, deadline=90, on_start=stop_when_inside
         )

@@ -22,19 +22,13 @@ from benchmarks._store_server import StoreServer
 from ignite_ext.distributed._store import check, clone, endpoint, group_store, namespaced, timed_out
 from ignite_ext.distributed.liveness.watch import wire_address
 from ignite_ext.distributed.store.wire import FLAVOURS, flavour_for
-from tests._world import World
+from tests._world import World, agent_store_env
 
 T = 2.0
 
 
 def _agent_env(port: int) -> dict[str, str]:
-    # The store served by a process of its own, as torchrun's agent serves it (older torch also wants the count).
-    return {
-        "IGNITE_EXT_HEARTBEAT_TIMEOUT": str(T),
-        "MASTER_PORT": str(port),
-        "TORCHELASTIC_USE_AGENT_STORE": "True",
-        "TORCHELASTIC_RESTART_COUNT": "0",
-    }
+    return agent_store_env(port, T)
 
 
 def body_slow_first_rank(work: float) -> dict[str, Any]:
