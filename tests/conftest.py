@@ -34,6 +34,13 @@ from tests._world import DEFAULT_WORLD, LaunchedWorld, World, make_world
 
 WORLD_REPORT_ENV = "IGNITE_EXT_WORLD_REPORT"  # tests/test_harness.py: where to write what was selected
 
+# torch's store client looks up the name of the address it connects to (a reverse DNS query for 127.0.0.1), and a
+# resolver that loses UDP queries when many are sent at once (as this test machine's does) stalls that connect for
+# glibc's 5 s timeout, once or twice: longer than the tests' heartbeat timeouts of 2-3 s (the default, 10 s, is
+# what users run). The suite's processes ask over TCP instead (glibc's RES_OPTIONS, inherited by every process the
+# suite starts), unless the environment says otherwise. docs/testing.rst explains it.
+os.environ.setdefault("RES_OPTIONS", "use-vc")
+
 
 def world_of(item: pytest.Item) -> str | None:
     """The world a collected test runs in: None without the ``world`` fixture, else its param."""

@@ -442,6 +442,9 @@ class StoreChannel(Channel):
             return b"%d\n" % min(int(m) for m in marks) + judge(list(payloads))
 
         marked = b"%d\n" % self.state.low_water + mine
+        # Not before this rank's keeper runs (once per process, a fraction of a second; at most T): a body that
+        # holds the GIL from its first line is then beaten for, not declared dead.
+        self.heartbeat.wait_watching(heartbeat_timeout())
         verdict = self._step(lambda: self._exchange(marked, judge_marked))
         if verdict.startswith(_DEATH_VERDICT):
             dead = decode_failures(verdict[len(_DEATH_VERDICT) :])

@@ -79,6 +79,20 @@ def body_holds_the_gil_in_its_first_block(seconds: float, before: bool = False) 
         return {"outcome": type(exc).__name__, "dead": list(exc.dead), "after": time.monotonic() - start}
 
 
+def test_a_gil_hold_in_a_first_block_entered_right_after_the_group_forms_is_not_a_death(world: World) -> None:
+    # The block's entry waits for this rank's keeper (a fraction of a second, once): the body's first line may
+    # hold the GIL for 3 T, its keeper beats for it.
+    t = 2.0
+    results = world.results(
+        body_holds_the_gil_in_its_first_block,
+        3 * t,
+        nprocs=2,
+        env={"IGNITE_EXT_HEARTBEAT_TIMEOUT": str(t)},
+        deadline=120,
+    )
+    assert [r.value["outcome"] if r.ok else r.exc_type for r in results] == ["ok", "ok"], [str(r) for r in results]
+
+
 def test_a_gil_hold_before_the_first_block_once_the_keeper_runs_is_not_a_death(world: World) -> None:
     # Before any block, a rank beats from its group's start (the group watcher) and its keeper starts right after:
     # a hold from then on is beaten for. (One that starts before the keeper runs, a fraction of a second after

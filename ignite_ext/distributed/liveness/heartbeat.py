@@ -129,6 +129,15 @@ class Heartbeat:
 
     # --- what the waiters use (no request) ------------------------------------------------------------------------
 
+    def wait_watching(self, seconds: float) -> bool:
+        """Wait up to ``seconds`` until this rank's keeper and cut listener run (or are known not to); True if so.
+
+        A block's entry waits here, so that by the time its body runs a keeper beats for this rank whenever the
+        body holds the GIL: a hold right after ``init_process_group`` is then not a death (the keeper and the
+        listener start in the heartbeat thread, about 0.1-0.5 s after the group forms).
+        """
+        return self._watched.wait(seconds)
+
     def cuts(self) -> list[Cut]:
         """The group's cuts this process knows of, in order."""
         with self._lock:
