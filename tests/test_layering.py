@@ -132,6 +132,57 @@ def test_the_whole_package_has_no_import_circle() -> None:
     assert import_cycles("ignite_ext") == []
 
 
+STORE_ROOM = "ignite_ext.distributed.store"
+# The store room's modules the keeper loads by their paths: the standard library only.
+STDLIB_ONLY = ("keys", "codecs", "wire")
+
+
+def key_literals(path: Path, root: Path = ROOT) -> list[str]:
+    """Where ``path`` spells a store key of the package: a string (or f-string) that starts with ``ignite_ext/``."""
+    found = []
+    nodes = list(ast.walk(ast.parse(path.read_text(), str(path))))
+    parts = {id(part) for node in nodes if isinstance(node, ast.JoinedStr) for part in node.values}
+    for node in nodes:
+        if id(node) in parts:
+            continue  # an f-string's pieces: judged with the whole
+        first = node.values[0] if isinstance(node, ast.JoinedStr) and node.values else node
+        if isinstance(first, ast.Constant) and isinstance(first.value, str) and first.value.startswith("ignite_ext/"):
+            found.append(f"{path.relative_to(root)}:{node.lineno}: {first.value!r}")
+    return found
+
+
+def store_room_violations() -> list[str]:
+    """The store room's rules: keys spelled only in its keys module; it imports nothing of the scheduler's protocol
+    or of liveness (nothing of the package outside it but ``ignite_ext.errors``); keys, codecs and wire import only
+    the standard library."""
+    found: list[str] = []
+    for path in _sources(PACKAGE):
+        me = _module_name(path)
+        if me != f"{STORE_ROOM}.keys":
+            found += key_literals(path)
+        if not me.startswith(STORE_ROOM):
+            continue
+        for target in imports(path):
+            if target.startswith("ignite_ext") and not target.startswith((STORE_ROOM, "ignite_ext.errors")):
+                found.append(f"{me} imports {target}: the store room stands below the protocol and liveness")
+            if me.rpartition(".")[2] in STDLIB_ONLY:
+                top = target.split(".")[0]
+                if top and top != "__future__" and top not in sys.stdlib_module_names:
+                    found.append(f"{me} imports {target}: the keeper loads it by its path, standard library only")
+    return found
+
+
+def test_the_store_room_holds_every_key_and_stands_alone() -> None:
+    assert store_room_violations() == []
+
+
+def test_the_store_room_checker_sees_a_key_outside_it(tmp_path: Path) -> None:
+    stray = tmp_path / "stray.py"
+    stray.write_text('KEY = "ignite_ext/hb/0"\nOTHER = f"ignite_ext/cut/{1}"\nFINE = "ignite_ext.errors"\n')
+    found = [line.split(": ", 1)[1] for line in key_literals(stray, tmp_path)]
+    assert found == ["'ignite_ext/hb/0'", "'ignite_ext/cut/'"]
+
+
 def test_the_checker_sees_a_violation(tmp_path: Path) -> None:
     # The rules must be able to fail: a distributed module importing data, and a private cross-package import.
     bad = PACKAGE / "distributed" / "_layering_probe.py"

@@ -50,7 +50,6 @@ from ignite_ext.distributed._lingering import Lingering
 from ignite_ext.distributed._state import GroupState
 from ignite_ext.distributed._steps import store_port, watchdog, watchdog_enabled
 from ignite_ext.distributed._store import (
-    BlockKeys,
     Store,
     StoreError,
     ack,
@@ -64,6 +63,8 @@ from ignite_ext.distributed._store import (
 )
 from ignite_ext.distributed.liveness import Cut, Heartbeat, beat_interval, heartbeat_timeout, log_interval
 from ignite_ext.distributed.policies import Plan
+from ignite_ext.distributed.store.codecs import COMPLETE, DEATH_ENTERED, LOST, ExitCount
+from ignite_ext.distributed.store.keys import BlockKeys
 from ignite_ext.errors import RankDiedError, RankFailedError, RankFailure, StoreLostError
 
 __all__ = ["StoreChannel"]
@@ -74,13 +75,6 @@ T = TypeVar("T")
 _DIED = RankDiedError.__name__
 # A verdict that is not the judge's but a death at the entry: every rank raises it.
 _DEATH_VERDICT = b"D\n"
-# Added to ``exits`` for each rank found dead after posting its outcome: it may never have counted its exit.
-# Below it, ``exits`` counts as the StoreChannel docstring says (at most N * (N + 2), far below 2**32).
-_LOST = 1 << 32
-# Added once, after a loss, by the rank that finds every outcome posted: the block is over.
-_COMPLETE = 1 << 52
-# Added to ``entered`` by whoever posts a death at the entry as the verdict: far above any count of ranks.
-_DEATH_ENTERED = 1 << 32
 # With timeout=, how long past it a protocol step may still take before the store counts as unreachable.
 _STORE_GRACE_S = 2.0
 
@@ -127,6 +121,7 @@ class StoreChannel(Channel):
         super().__init__(rank, world_size, label, timeout)
         self.store = store
         self.keys = BlockKeys(seq)
+        self.exit_count = ExitCount(world_size)
         self.seq = seq
         self.state = state
         self.heartbeat = self._guarded(lambda: Heartbeat.ensure(store, rank, world_size))
@@ -321,7 +316,7 @@ class StoreChannel(Channel):
             verdict = _DEATH_VERDICT + encode_failures(failures) + b"\n%d" % self.rank  # the noticer: one winner
             if put_once(self.client, self.keys.verdict, verdict):
                 log().warning("rank %d: ranks %s dead at the entry (%s)", self.rank, _ranks(cuts), cuts[0].message())
-                self.client.add(self.keys.entered, _DEATH_ENTERED)  # so that no late entrant judges in vain
+                self.client.add(self.keys.entered, DEATH_ENTERED)  # so that no late entrant judges in vain
                 self._wake_all("entry")
             elif not bytes(self.client.get(self.keys.verdict)).startswith(_DEATH_VERDICT):
                 # The last rank to enter judged first (it may have died after posting the verdict, before waking
@@ -360,8 +355,9 @@ class StoreChannel(Channel):
         """``death.rank`` died after posting its outcome: maybe before counting its exit, which everyone waits for.
 
         Nobody can tell whether that count happened, so its failure is recorded without an exit and ``exits``
-        gets :data:`_LOST`. From then on, whoever finds every outcome posted (this rank now, or each rank as it
-        counts its own exit) ends the block for all: ``exits`` gets :data:`_COMPLETE` once. The rank whose
+        gets :data:`~ignite_ext.distributed.store.codecs.LOST`. From then on, whoever finds every outcome posted
+        (this rank now, or each rank as it counts its own exit) ends the block for all: ``exits`` gets
+        :data:`~ignite_ext.distributed.store.codecs.COMPLETE` once. The rank whose
         exit is the last one to come always finds that, since every rank posts its outcome before counting.
         """
         client, keys, peer = self.client, self.keys, death.rank
@@ -384,7 +380,7 @@ class StoreChannel(Channel):
             self._complete_if_over()
 
     def _mark_lost(self) -> bool:
-        """Add :data:`_LOST` to ``exits``, unless every rank has left already; True when it did.
+        """Add :data:`~ignite_ext.distributed.store.codecs.LOST` to ``exits``, unless every rank has left; True if so.
 
         Every exit counted means the dead rank's too: the block is over for everyone, and a loss added now would
         make the ranks that read ``exits`` after it report a failure that those that read it before did not. So the
@@ -393,7 +389,7 @@ class StoreChannel(Channel):
         """
         exits = int(self.client.add(self.keys.exits, 0))
         while self._left(exits) is None:
-            marked = str(exits + _LOST).encode()
+            marked = str(exits + LOST).encode()
             now = bytes(self.client.compare_set(self.keys.exits, str(exits), marked))  # type: ignore[arg-type]
             if now == marked:  # this rank's, or another loss's of the same moment: either way, marked
                 return True
@@ -411,7 +407,7 @@ class StoreChannel(Channel):
             return False
         failures = {f for outcome in self.client.multi_get(outcomes) for f in decode_failures(bytes(outcome))}
         if put_once(self.client, self.keys.complete, encode_failures(sorted(failures, key=lambda f: f.rank))):
-            self.client.add(self.keys.exits, _COMPLETE)
+            self.client.add(self.keys.exits, COMPLETE)
             # Every rank but this one, which must know without a wake-up (see _record_exit); in both phases where
             # a rank may wait, so that none is left behind on a path of failures this one did not foresee.
             self._wake(range(self.world_size), "turn")
@@ -478,11 +474,12 @@ class StoreChannel(Channel):
             index = client.add(keys.nfail, 1)
             put(client, keys.fail(index), encode_failures(own))
             self.state.carried.setdefault(self.seq, []).append(keys.fail(index))
-        exits = int(client.add(keys.exits, 1 + (self.world_size + 1) * bool(own)))
-        if exits % _LOST % (self.world_size + 1) == self.world_size:
+        count = self.exit_count
+        exits = int(client.add(keys.exits, count.exit(failed=bool(own))))
+        if count.all_counted(exits):
             self._wake_all("exit")  # every rank has left: the ones waiting in leave go on
-        elif _LOST <= exits < _COMPLETE and self._complete_if_over():
-            exits += _COMPLETE  # this rank ended the block: its own wait must not wait for a wake-up of itself
+        elif count.lost(exits) and not count.ended_after_a_loss(exits) and self._complete_if_over():
+            exits = count.complete(exits)  # this rank ended the block: its own wait must not wait to wake itself
         return exits
 
     def _ack(self) -> None:
@@ -520,10 +517,11 @@ class StoreChannel(Channel):
                 checked=True,
                 known=self._left(exits),
             )
-            if exits >= _COMPLETE:  # ended after a loss: every outcome's failures are in one key
+            if self.exit_count.ended_after_a_loss(exits):  # every outcome's failures are in one key
                 found += decode_failures(self.client.get(self.keys.complete))
             # After a loss, its ranks' records count no exit in ``exits``: the record counter says how many there are.
-            records = int(self.client.add(self.keys.nfail, 0)) if exits >= _LOST else exits // (self.world_size + 1)
+            lost = self.exit_count.lost(exits)
+            records = int(self.client.add(self.keys.nfail, 0)) if lost else self.exit_count.records(exits)
             for i in range(1, records + 1):
                 found += decode_failures(self.client.get(self.keys.fail(i)))
             found = _one_per_rank(found)
@@ -535,7 +533,7 @@ class StoreChannel(Channel):
 
     def _left(self, exits: int) -> int | None:
         """``exits`` when it says every rank has left (or the block was ended after a loss), else None."""
-        return exits if exits >= _COMPLETE or exits % _LOST % (self.world_size + 1) == self.world_size else None
+        return exits if self.exit_count.left(exits) else None
 
     def _guarded(self, fn: Callable[[], T]) -> T:
         try:

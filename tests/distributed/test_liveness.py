@@ -91,8 +91,8 @@ def test_a_rank_dead_after_posting_its_outcome_is_declared(world: World, victim:
 def body_dies_after_posting_the_verdict() -> dict[str, Any]:
     from ignite_ext.distributed._channel_choice import scheduler_store
     from ignite_ext.distributed._state import group_state
-    from ignite_ext.distributed._store import BlockKeys
     from ignite_ext.distributed._store_channel import StoreChannel
+    from ignite_ext.distributed.store.keys import BlockKeys
 
     with idist.one_rank_first():
         pass  # every rank beats

@@ -17,9 +17,10 @@ import torch
 import torch.distributed as dist
 
 import ignite_ext.distributed as idist
-from ignite_ext.distributed._store import NAMESPACE_KEY, clone, cut_key, default_store, namespaced, read
+from ignite_ext.distributed._store import clone, default_store, namespaced, read
 from ignite_ext.distributed.liveness.keeper import process_identity, running
 from ignite_ext.distributed.liveness.watch import CutListener, wire_address
+from ignite_ext.distributed.store.keys import NAMESPACE_KEY, cut_key
 from ignite_ext.distributed.store.wire import FLAVOURS, WireStore, prove
 from tests._world import World
 

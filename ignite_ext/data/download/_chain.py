@@ -47,8 +47,6 @@ _ABSENT = "\x00"
 
 __all__ = ["Chain", "Holder", "file_id"]
 
-_ROOT = "ignite_ext/relay"
-
 
 def file_id(first_url: str, name: str, expected: Mapping[str, str]) -> str:
     """What names one file across the job's hosts (whatever directory each keeps it in).
@@ -78,7 +76,10 @@ class Chain:
     def __init__(self, store: Any, file: str, block: int = 0) -> None:
         self.store = store
         self.file = file
-        self.prefix = f"{_ROOT}/{block}/{file}"
+        # Here, not at import: the download path imports without torch and ignite (ignite_ext.distributed's).
+        from ignite_ext.distributed.store.keys import relay_key
+
+        self.prefix = relay_key(block, file)
 
     def join(self) -> int:
         """This holder's place: 1 for the first to come."""

@@ -26,6 +26,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from ignite_ext.distributed.store.codecs import decode_cut, encode_cut
+
 __all__ = ["SUSPECT_AFTER", "TOGETHER_AFTER", "Cut", "Detector"]
 
 #: The successor's silence, as a fraction of ``T``, after which the detector takes its first snapshot.
@@ -59,14 +61,14 @@ class Cut:
     silent_s: float
 
     def encode(self) -> bytes:
-        """The cut as stored: ``<author>|<silence>|<rank>,<rank>,...``."""
-        return b"%d|%.3f|%s" % (self.author, self.silent_s, ",".join(map(str, self.ranks)).encode())
+        """The cut as stored (:func:`~ignite_ext.distributed.store.codecs.encode_cut`)."""
+        return encode_cut(self.author, self.silent_s, self.ranks)
 
     @classmethod
     def decode(cls, index: int, payload: bytes) -> Cut:
         """The cut number ``index`` from what :meth:`encode` stored."""
-        author, silent, ranks = payload.decode().split("|")
-        return cls(index, tuple(int(r) for r in ranks.split(",")), int(author), float(silent))
+        author, silent, ranks = decode_cut(payload)
+        return cls(index, ranks, author, silent)
 
     def message(self) -> str:
         """What every survivor reports of each of the cut's ranks (the same words everywhere).

@@ -34,23 +34,21 @@ from collections.abc import Callable, Iterable
 from ignite_ext.distributed._lingering import Lingering
 from ignite_ext.distributed._steps import store_port, watchdog, watchdog_enabled
 from ignite_ext.distributed._store import (
-    CUTS_KEY,
     Store,
     ack,
     check,
     clone,
-    cut_key,
     default_store,
     group_store,
-    heartbeat_key,
     put,
     put_once,
     read,
 )
 from ignite_ext.distributed.liveness.detector import Cut, Detector
-from ignite_ext.distributed.liveness.keeper import proc_key, process_identity
+from ignite_ext.distributed.liveness.keeper import process_identity
 from ignite_ext.distributed.liveness.settings import beat_interval, early_heartbeat, heartbeat_timeout, process_watch
 from ignite_ext.distributed.liveness.watch import NOT_YET, CutListener, KeeperHandle, proven_wire
+from ignite_ext.distributed.store.keys import CUTS_KEY, cut_key, heartbeat_key, proc_key
 
 __all__ = ["Heartbeat", "watch_for_groups"]
 

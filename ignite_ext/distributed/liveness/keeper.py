@@ -38,25 +38,29 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-__all__ = ["SETTLE", "main", "proc_key", "process_identity", "running"]
+__all__ = ["SETTLE", "main", "process_identity", "running"]
 
 #: Seconds a keeper waits after its rank's death for the host's other ranks that die with it (one cut for all).
 SETTLE = 0.1
 
-_ROOT = "ignite_ext"
-
 if TYPE_CHECKING or __package__:
+    from ignite_ext.distributed.store.codecs import cut_ranks, encode_cut
+    from ignite_ext.distributed.store.keys import CUTS_KEY, cut_key, heartbeat_key, proc_key
     from ignite_ext.distributed.store.wire import WireStore
-else:  # run by its path with -I -S, without the package on sys.path: the wire module by its path (stdlib only)
+else:  # run by its path with -I -S, without the package on sys.path: the store room's modules by their paths
     import importlib.util
 
-    _spec = importlib.util.spec_from_file_location(
-        "_ignite_ext_wire",
-        os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "store", "wire.py"),
-    )
-    _wire = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(_wire)
-    WireStore = _wire.WireStore
+    def _by_path(name: str):  # type: ignore[no-untyped-def]  # (never type-checked: see the branch above)
+        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        spec = importlib.util.spec_from_file_location(f"_ignite_ext_{name}", os.path.join(here, "store", name + ".py"))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    _keys, _codecs = _by_path("keys"), _by_path("codecs")
+    WireStore = _by_path("wire").WireStore
+    CUTS_KEY, cut_key, heartbeat_key, proc_key = _keys.CUTS_KEY, _keys.cut_key, _keys.heartbeat_key, _keys.proc_key
+    cut_ranks, encode_cut = _codecs.cut_ranks, _codecs.encode_cut
 
 
 def process_identity(pid: int) -> str | None:
@@ -106,19 +110,6 @@ def running(pid: int) -> bool:
     return stat[stat.rindex(b")") + 2 :][:1] in (b"R", b"S", b"D")
 
 
-def proc_key(rank: int) -> str:
-    """Where ``rank`` publishes its :func:`process_identity` for the keepers of its host.
-
-    Examples:
-        >>> from ignite_ext.distributed.liveness.keeper import proc_key
-        >>> proc_key(3)
-        'ignite_ext/proc/3'
-
-    .. versionadded:: 0.3.0
-    """
-    return f"{_ROOT}/proc/{rank}"
-
-
 def _same_host(mine: str, theirs: bytes | None) -> bool:
     return theirs is not None and theirs.decode().split("|")[:2] == mine.split("|")[:2]
 
@@ -150,17 +141,17 @@ def _post_cut(wire: WireStore, ranks: list[int], author: int) -> None:
     """Post ``ranks`` as the group's next cut(s), as the heartbeat does (see its module docstring)."""
     remaining = set(ranks)
     while remaining:
-        posted = int(wire.read(f"{_ROOT}/cuts") or b"0")
+        posted = int(wire.read(CUTS_KEY) or b"0")
         for index in range(1, posted + 1):
-            payload = wire.read(f"{_ROOT}/cut/{index}")
+            payload = wire.read(cut_key(index))
             if payload is not None:
-                remaining -= {int(r) for r in payload.decode().split("|")[2].split(",")}
+                remaining -= cut_ranks(payload)
         if not remaining:
             return
         index = posted + 1
-        mine = b"%d|0.000|%s" % (author, ",".join(map(str, sorted(remaining))).encode())
-        won = wire.compare_set(f"{_ROOT}/cut/{index}", b"", mine) == mine
-        wire.compare_set(f"{_ROOT}/cuts", str(index - 1).encode(), str(index).encode())
+        mine = encode_cut(author, 0.0, sorted(remaining))
+        won = wire.compare_set(cut_key(index), b"", mine) == mine
+        wire.compare_set(CUTS_KEY, str(index - 1).encode(), str(index).encode())
         if won:
             return
 
@@ -216,7 +207,7 @@ def _keep(wire: _Lazy, rank: int, world_size: int, parent: int, beats: int, ever
             _post_cut(wire(), _dead_on_this_host(wire(), rank, world_size, mine), author=rank)
             return "its process ended"
         if time.monotonic() - last >= 2 * every and running(parent):
-            wire().add(f"{_ROOT}/hb/{rank}", 1)
+            wire().add(heartbeat_key(rank), 1)
             last = time.monotonic()
 
 

@@ -22,11 +22,12 @@ import threading
 import uuid
 from collections.abc import Callable
 
-from ignite_ext.distributed._store import CUTS_KEY, Store, cut_key, endpoint, put_once, read
+from ignite_ext.distributed._store import Store, endpoint, put_once, read
 from ignite_ext.distributed.liveness import keeper
+from ignite_ext.distributed.store.keys import CUTS_KEY, PREFIX_KEY, cut_key, probe_key, proof_key
 from ignite_ext.distributed.store.wire import WireStore, connect_proven, flavour_for
 
-__all__ = ["NOT_YET", "PREFIX_KEY", "Address", "CutListener", "KeeperHandle", "proven_wire", "wire_address"]
+__all__ = ["NOT_YET", "Address", "CutListener", "KeeperHandle", "proven_wire", "wire_address"]
 
 _log = logging.getLogger(__name__)
 
@@ -62,8 +63,6 @@ def wire_address(store: Store, rank: int = 0) -> tuple[Address | None, str]:
     return address, why
 
 
-#: Where rank 0 publishes the prefix its group's keys carry on the wire (``p:`` and the prefix).
-PREFIX_KEY = "ignite_ext/wire_prefix"
 #: What :func:`proven_wire` says while rank 0 has not published the prefix yet (ask again later).
 NOT_YET = "rank 0 has not published the store's key prefix yet"
 
@@ -79,7 +78,7 @@ def _discover(store: Store, raw: Store) -> str | None:
 
     One ``list_keys`` (``O(N)`` keys at the group's start), by rank 0 only: the others read what it publishes.
     """
-    probe = f"ignite_ext/probe/{uuid.uuid4().hex}"
+    probe = probe_key(uuid.uuid4().hex)
     store.set(probe, "1")
     try:
         keys = [k for k in raw.list_keys() if k.endswith(probe)]
@@ -123,7 +122,7 @@ def proven_wire(store: Store, rank: int = 0) -> tuple[Address | None, WireStore 
     if isinstance(place, str):
         return None, None, place
     host, port, prefix = place
-    probe = f"ignite_ext/proof/{os.getpid()}-{secrets.token_hex(4)}"
+    probe = proof_key(f"{os.getpid()}-{secrets.token_hex(4)}")
     flavour = flavour_for(torch_version())
     wire, why = connect_proven(host, port, prefix, store, probe, flavour)
     if wire is None:
@@ -208,7 +207,7 @@ class CutListener:
 
     Args:
         address: the store, as :func:`wire_address` found it.
-        proof: the value of ``ignite_ext/cuts`` as torch's client read it.
+        proof: the value of :data:`~ignite_ext.distributed.store.keys.CUTS_KEY` as torch's client read it.
         first: the number of the first cut to wait for.
         on_cut: called (in the listener's thread) with each cut's number, in order, as its key is written.
 
@@ -216,12 +215,14 @@ class CutListener:
         >>> import datetime, threading
         >>> import torch.distributed as dist
         >>> from ignite_ext.distributed.liveness.watch import CutListener, wire_address
+        >>> from ignite_ext.distributed.store.codecs import encode_cut
+        >>> from ignite_ext.distributed.store.keys import CUTS_KEY, cut_key
         >>> server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=5), wait_for_workers=False)
         >>> heard = threading.Event()
-        >>> server.set("ignite_ext/cuts", "0")
+        >>> server.set(CUTS_KEY, "0")
         >>> address, _ = wire_address(server)
         >>> listener = CutListener(address, b"0", 1, lambda index: heard.set())
-        >>> server.set("ignite_ext/cut/1", "0|3.000|2"); heard.wait(5)
+        >>> server.set(cut_key(1), encode_cut(0, 3.0, [2])); heard.wait(5)
         True
         >>> listener.close()
 

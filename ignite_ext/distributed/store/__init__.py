@@ -1,7 +1,15 @@
 """The package's contract with torch's store, in one room: what is here is all that knows torch's wire.
 
+* :mod:`~ignite_ext.distributed.store.keys`: every key the package writes in the store, with who writes and who
+  deletes it (the only module that spells one; a layering test holds it to that);
+* :mod:`~ignite_ext.distributed.store.codecs`: the formats of the values that are more than JSON or a counter:
+  cuts, and a block's exit count (exits, failures and losses in one counter);
 * :mod:`~ignite_ext.distributed.store.wire`: a standard-library client of torch's TCPStore protocol (opcodes
   named after torch's ``QueryType``, one table per protocol flavour) and the start-up proof of every opcode used.
+
+The three are standard library only (the keeper loads them by their paths), and the room imports nothing of the
+scheduler's protocol or of liveness, which stand on it. Still outside it: the store clients
+(:mod:`ignite_ext.distributed._store`), the socket watchdog (``_steps``) and the side store (``_side_store``).
 
 Nothing starts or connects at import.
 
