@@ -8,7 +8,7 @@ from __future__ import annotations
 import atexit
 from datetime import timedelta
 
-from ignite_ext.distributed._store import Store, check
+from ignite_ext.distributed._store import Store, check, origin
 from ignite_ext.distributed.liveness.settings import heartbeat_timeout
 from ignite_ext.distributed.store.keys import BlockKeys
 
@@ -27,11 +27,13 @@ class Lingering:
     """
 
     pending: tuple[Store, BlockKeys, int] | None = None
+    # torch's store behind ``pending``'s: holding it is what keeps the server alive where this process hosts it.
+    held: Store | None = None
     registered = False
 
     @classmethod
     def hold(cls, store: Store, keys: BlockKeys, expected: int) -> None:
-        cls.pending = (store, keys, expected)
+        cls.pending, cls.held = (store, keys, expected), origin(store)
         if not cls.registered:
             atexit.register(cls.drain)
             cls.registered = True
@@ -48,9 +50,9 @@ class Lingering:
         held, keys, _ = pending
         try:
             if held is store or check(held, [keys.acked]):
-                cls.pending = None
+                cls.pending = cls.held = None
         except Exception:
-            cls.pending = None  # the store is gone: nothing left to protect
+            cls.pending = cls.held = None  # the store is gone: nothing left to protect
 
     @classmethod
     def drain(cls) -> None:
@@ -62,3 +64,5 @@ class Lingering:
             store.wait([keys.acked], timedelta(seconds=heartbeat_timeout()))
         except Exception:
             return  # the others are gone already, or did not answer in time
+        finally:
+            cls.held = None

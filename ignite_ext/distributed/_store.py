@@ -39,6 +39,7 @@ __all__ = [
     "forget_client_of_this_thread",
     "group_store",
     "namespaced",
+    "origin",
     "put",
     "put_once",
     "read",
@@ -142,13 +143,15 @@ class _Lazy:
     """A namespaced client that connects at its first request.
 
     Each thread that waits uses a :func:`clone` (its own connection), so most processes never send a request
-    through this object. A TCPStore server takes new connections slowly when many come at once (seconds each
-    beyond about 30 at once, measured on torch 2.13's libuv server): a connection nobody needs, opened by every
-    rank at the group's start, adds to that burst.
+    through this object. A connection costs torch's client a reverse DNS lookup of the server's address, which a
+    lossy resolver stalls for seconds when many ranks connect at once: a connection nobody needs, opened by every
+    rank at the group's start, adds to that burst. ``origin`` is torch's store it was made from (weakly: it is the
+    value of a weak map keyed by that store), which :func:`origin` gives back.
     """
 
-    def __init__(self, place: Endpoint) -> None:
+    def __init__(self, place: Endpoint, origin: Store) -> None:
         self._place = place
+        self._origin = weakref.ref(origin)
         self._client: Store | None = None
         self._lock = threading.Lock()
 
@@ -201,10 +204,31 @@ def namespaced(store: Store) -> Store:
             proposal = secrets.token_hex(8).encode()
             token = bytes(store.compare_set(NAMESPACE_KEY, "", proposal)).decode()  # type: ignore[arg-type]
             place = dataclasses.replace(served, prefix=f"{ROOT}-{token}")
-            ours = cast(Store, _Lazy(place))
+            ours = cast(Store, _Lazy(place, store))
             _ENDPOINTS[ours] = place
             _NAMESPACED[store] = ours  # never the store itself: a value holding its key would keep it alive
         return ours
+
+
+def origin(store: Store) -> Store:
+    """The torch store that ``store`` (a :func:`namespaced` client) was made from, or ``store`` itself.
+
+    What must stay referenced for the server to live where a process hosts it (rank 0's under ``env://``): the
+    package's own clients do not keep torch's store object alive.
+
+    Examples:
+        >>> import datetime
+        >>> import torch.distributed as dist
+        >>> from ignite_ext.distributed._store import namespaced, origin
+        >>> server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=5), wait_for_workers=False)
+        >>> group = dist.PrefixStore("default_pg", server)
+        >>> origin(namespaced(group)) is group, origin(group) is group
+        (True, True)
+
+    .. versionadded:: 0.4.0
+    """
+    made_from = store._origin() if isinstance(store, _Lazy) else None
+    return made_from if made_from is not None else store
 
 
 def _clones(store: Store) -> bool:
