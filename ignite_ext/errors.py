@@ -29,6 +29,7 @@ Examples:
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -143,8 +144,8 @@ class RankFailedError(IgniteExtError, RuntimeError):
         details = [str(f) for f in self.failures]
         prefix = f"{self.context}: " if self.context else ""
         head = f"{prefix}rank(s) {list(self.ranks)} failed inside the scheduled block"
-        if any("\n" in d for d in details):  # tracebacks: one failure per paragraph, as Python prints them
-            return head + ":\n" + "\n".join(details)
+        if any("\n" in d for d in details):  # tracebacks: one indented paragraph per failure, as Python nests them
+            return head + ":\n" + "\n".join(textwrap.indent(d, "  ") for d in details)
         return f"{head} ({'; '.join(details)})"
 
     def __reduce__(self) -> tuple[type[RankFailedError], tuple[tuple[RankFailure, ...], str]]:

@@ -38,7 +38,9 @@ WORLD_REPORT_ENV = "IGNITE_EXT_WORLD_REPORT"  # tests/test_harness.py: where to 
 # resolver that loses UDP queries when many are sent at once (as this test machine's does) stalls that connect for
 # glibc's 5 s timeout, once or twice: longer than the tests' heartbeat timeouts of 2-3 s (the default, 10 s, is
 # what users run). The suite's processes ask over TCP instead (glibc's RES_OPTIONS, inherited by every process the
-# suite starts), unless the environment says otherwise. docs/testing.rst explains it.
+# suite starts), unless the environment says otherwise: this machine's resolver does not answer over TCP, so a
+# lookup that /etc/hosts cannot answer fails at once, which the tests' loopback and namespace addresses never need
+# (a test that installs from the package index drops it). docs/testing.rst explains it.
 os.environ.setdefault("RES_OPTIONS", "use-vc")
 
 

@@ -72,10 +72,12 @@ def test_download_first_rank_failure_reaches_the_other_ranks() -> None:
     out = run_example("download_first_rank.py", "--nproc", "4", "--start-method", "fork", "--fail")
     assert re.search(r"^rank 0: download=True; DownloadError: .*404", out, re.M), out
     for rank in range(1, 4):
-        line = re.search(rf"^rank {rank}: .*$", out, re.M)
-        assert line is not None, out
-        assert f"rank {rank}: download=False; RankFailedError: " in line.group(0)
-        assert "rank(s) [0] failed" in line.group(0) and "DownloadError" in line.group(0)
+        # the rank's line and the failure's indented paragraph (rank 0's error and where it raised)
+        report = re.search(rf"^rank {rank}: .*(?:\n  .*)*", out, re.M)
+        assert report is not None, out
+        assert report.group(0).startswith(f"rank {rank}: download=False; RankFailedError: "), report.group(0)
+        assert "rank(s) [0] failed" in report.group(0) and "\n  rank 0: DownloadError: " in report.group(0)
+        assert "rank 0's traceback, innermost frames:" in report.group(0), report.group(0)
     assert "downloaded by ranks []" in out
     assert "sent 0 bytes" in out
 

@@ -21,7 +21,7 @@ from ignite_ext.distributed._store import clone, default_store, namespaced, read
 from ignite_ext.distributed.liveness.keeper import process_identity, running
 from ignite_ext.distributed.liveness.watch import CutListener, wire_address
 from ignite_ext.distributed.store.keys import NAMESPACE_KEY, cut_key
-from ignite_ext.distributed.store.wire import FLAVOURS, WireStore, prove
+from ignite_ext.distributed.store.wire import FLAVOURS, WireStore, flavour_for, prove
 from tests._world import World
 
 pytestmark = pytest.mark.timeout(240)
@@ -294,6 +294,45 @@ def test_what_a_keeper_sees_of_a_process() -> None:
     finally:
         child.kill()
         child.wait()
+
+
+@pytest.mark.parametrize("goodbye", [False, True], ids=["killed", "said-goodbye"])
+def test_a_rank_gone_before_its_keeper_started_is_reported_unless_it_said_goodbye(goodbye: bool) -> None:
+    # A loaded host takes a second or more to start the keeper's interpreter: a rank killed in that time was once
+    # "gone already" to its keeper, which ended without a word, and the death waited for the silence (T).
+    import datetime
+    import subprocess
+    import sys
+
+    from ignite_ext.distributed.liveness import keeper
+    from ignite_ext.distributed.store.codecs import cut_ranks
+    from ignite_ext.distributed.store.keys import proc_key
+
+    server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=5), wait_for_workers=False)
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    identity = process_identity(rank.pid)
+    assert identity is not None
+    server.set(proc_key(3), identity)
+    beats, out = os.pipe()
+    if goodbye:
+        os.write(out, b"q")
+    rank.kill()
+    rank.wait()
+    flavour, why = prove("127.0.0.1", server.port, "", server, "proof", flavour_for(torch.__version__))
+    assert flavour is not None, why
+    args = ["127.0.0.1", str(server.port), "", "3", "4", str(rank.pid), str(beats), "0.5", flavour, identity]
+    started = subprocess.run(
+        [sys.executable, "-I", "-S", keeper.__file__, *args], pass_fds=(beats,), capture_output=True, timeout=60
+    )
+    os.close(beats)
+    os.close(out)
+    assert started.returncode == 0, started.stderr
+    assert keeper.READY not in started.stdout  # it never watched a live rank
+    posted = read(server, cut_key(1))
+    if goodbye:
+        assert posted is None
+    else:
+        assert posted is not None and cut_ranks(posted) == {3}, posted
 
 
 def body_forks_then_waits_for_a_death(kill_at: float) -> dict[str, Any]:

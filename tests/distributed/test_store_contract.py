@@ -58,7 +58,7 @@ def body_first_rank_killed() -> dict[str, Any]:
     deadline = time.monotonic() + 30  # until this rank's keeper runs (the guarantee is the keeper's)
     from ignite_ext.distributed.liveness.heartbeat import Heartbeat
 
-    while time.monotonic() < deadline and not all(hb._keeper is not None for hb in Heartbeat._instances.values()):
+    while time.monotonic() < deadline and not all(hb._watched.is_set() for hb in Heartbeat._instances.values()):
         time.sleep(0.05)
     idist.barrier()
     start = time.monotonic()

@@ -98,6 +98,7 @@ class Heartbeat:
         self._listener: CutListener | None = None
         self._watching = start and process_watch()  # the keeper and the listener are still to start
         self._watched = threading.Event()  # set once they run, or once it is known that they will not
+        self._keeper_starting = False  # a keeper was started and has not said yet that it watches this rank
         self._tries = 0  # looks for the wire address so far (see _start_watching)
         self._next_try = 0.0  # when _start_watching looks again (monotonic)
         if not self._watching:
@@ -279,9 +280,18 @@ class Heartbeat:
         finally:
             if done:
                 self._watching = False
-                self._watched.set()
+                self._keeper_starting = True
+                self._keeper_started()
         if not done:
             self._next_try = time.monotonic() + min(self._every, 0.1 * 2 ** (self._tries - 1))
+
+    def _keeper_started(self) -> bool:
+        """Whether the keeper watches this rank now (or never will); until then ``wait_watching`` waits for it."""
+        if self._keeper is not None and not self._keeper.ready():
+            return False
+        self._keeper_starting = False
+        self._watched.set()
+        return True
 
     def _start_keeper_and_listener(self, last: bool) -> bool:
         """Start them if the address is known; False: not known yet, ask again later."""
@@ -302,7 +312,7 @@ class Heartbeat:
             return True  # no /proc or no pidfd (not Linux 5.3+): no keeper; the listener still hears each cut at once
         put(self._client, proc_key(self.rank), identity.encode())
         try:
-            self._keeper = KeeperHandle(address, self.rank, self._detector.world_size, self._every)
+            self._keeper = KeeperHandle(address, self.rank, self._detector.world_size, self._every, identity)
         except OSError as exc:  # no interpreter to start (an embedding application): detection by silence alone
             _log.debug("ignite_ext: no keeper for rank %d: %s", self.rank, exc)
         return True
@@ -350,6 +360,8 @@ class Heartbeat:
                 if self._watching:
                     self._start_watching()
                     until_tick = min(until_tick, max(0.0, self._next_try - time.monotonic()))
+                if self._keeper_starting and not self._keeper_started():
+                    until_tick = min(until_tick, _KEEPER_LOOK)  # a local pipe, read until the keeper says it runs
                 wait = min(until_tick, max(0.0, next_beat - time.monotonic()))
                 with self._lock:
                     self._sleeps_until = time.monotonic() + wait
@@ -381,6 +393,8 @@ class Heartbeat:
 
 #: How often a rank other than 0 looks for the wire prefix rank 0 publishes, before it does without a keeper.
 _WATCH_TRIES = 16
+#: Seconds between two looks at a starting keeper's pipe (only while it starts: 20 ms to seconds, once per process).
+_KEEPER_LOOK = 0.02
 _STOPPING = threading.Event()
 _RUNNING: weakref.WeakSet[Heartbeat] = weakref.WeakSet()
 

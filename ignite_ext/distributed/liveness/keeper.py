@@ -8,7 +8,10 @@ other ranks cannot, because it runs on the rank's host and needs no GIL of the r
   keeper's ``pidfd`` of it becomes readable at once; the keeper waits :data:`SETTLE` seconds for the other ranks
   of the host that die with it, and posts one cut with every rank of its host whose process is gone. The other
   ranks learn of it at once (each process has a thread blocked on the next cut's key): a death on a live host
-  is reported in well under a second, not ``T``.
+  is reported in well under a second, not ``T``. A rank that dies while its keeper starts (an interpreter takes
+  a second or more to start on a loaded host) is reported the same way: the keeper is given the identity the
+  rank published, and a process that no longer has it died, unless its goodbye waits in the pipe. The rank's
+  blocks wait for the keeper's word that it watches (:data:`READY`), at most ``T`` once per process.
 * **The rank's process lives but does not beat** (its heartbeat thread was not scheduled for two beats: a GIL
   hold, a swapping host) while its state is running or sleeping, not stopped: the keeper beats for it, one
   ``add`` a beat. A process that is stopped (SIGSTOP, a frozen container) is not beaten for, so it is declared
@@ -29,6 +32,7 @@ death, about ``4 + 2 L + c`` requests (``L`` ranks on the host, ``c`` cuts so fa
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -38,10 +42,13 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-__all__ = ["SETTLE", "main", "process_identity", "running"]
+__all__ = ["READY", "SETTLE", "main", "process_identity", "running"]
 
 #: Seconds a keeper waits after its rank's death for the host's other ranks that die with it (one cut for all).
 SETTLE = 0.1
+
+#: What a keeper writes on its standard output once it watches its rank.
+READY = b"ready\n"
 
 if TYPE_CHECKING or __package__:
     from ignite_ext.distributed.store.codecs import cut_ranks, encode_cut
@@ -173,7 +180,18 @@ class _Lazy:
         return self._wire
 
 
-def _keep(wire: _Lazy, rank: int, world_size: int, parent: int, beats: int, every: float) -> str:
+def _goodbye_waiting(beats: int) -> bool:
+    """Whether the rank's goodbye is in the pipe already (it ended normally before its keeper started)."""
+    os.set_blocking(beats, False)
+    try:
+        return b"q" in os.read(beats, 1 << 16)
+    except BlockingIOError:
+        return False
+    finally:
+        os.set_blocking(beats, True)
+
+
+def _keep(wire: _Lazy, rank: int, world_size: int, parent: int, beats: int, every: float, mine: str | None) -> str:
     """The keeper's loop for ``rank`` (process ``parent``): returns why it ended.
 
     Args:
@@ -183,14 +201,24 @@ def _keep(wire: _Lazy, rank: int, world_size: int, parent: int, beats: int, ever
         parent: the rank's process id.
         beats: the read end of the pipe on which the rank's heartbeat thread writes ``.`` per beat, ``q`` to end.
         every: the beat interval in seconds.
+        mine: the rank's process identity as the rank published it (None: read it here, as keepers before 0.4).
     """
-    mine = process_identity(parent)  # the rank published it (it is who told this keeper its pid)
+    mine = mine or process_identity(parent)
     try:
         pidfd = os.pidfd_open(parent)
     except OSError:
         pidfd = -1
-    if mine is None or pidfd < 0:
+    if mine is None:
         return "the rank's process is gone already"
+    if pidfd < 0 or process_identity(parent) != mine:
+        # The rank died while this keeper started (a loaded host takes a second or more to start an interpreter):
+        # a death all the same, unless the rank said goodbye first.
+        if _goodbye_waiting(beats):
+            return "goodbye"
+        time.sleep(SETTLE)
+        _post_cut(wire(), _dead_on_this_host(wire(), rank, world_size, mine), author=rank)
+        return "its process ended"
+    _say_ready()
     watched = [pidfd, beats]
     last = time.monotonic()
     while True:
@@ -211,11 +239,20 @@ def _keep(wire: _Lazy, rank: int, world_size: int, parent: int, beats: int, ever
             last = time.monotonic()
 
 
+def _say_ready() -> None:
+    """Tell the rank this keeper watches it (one line on stdout, which the rank reads from a pipe), then close it."""
+    with contextlib.suppress(OSError):
+        os.write(1, READY)
+        os.close(1)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """The keeper process: ``keeper.py HOST PORT PREFIX RANK WORLD_SIZE PARENT_PID BEATS_FD EVERY [FLAVOUR]``.
+    """The keeper process: ``keeper.py HOST PORT PREFIX RANK WORLD_SIZE PARENT_PID BEATS_FD EVERY [FLAVOUR [ID]]``.
 
     ``FLAVOUR`` is the protocol flavour the rank proved (:func:`~ignite_ext.distributed.store.wire.prove`;
-    ``validated`` by default). Returns 0 when it ends (a goodbye, its rank's death reported, or its rank gone
+    ``validated`` by default); ``ID`` the rank's :func:`process_identity` as it published it, so that a rank that
+    dies while its keeper starts is reported all the same. Once it watches its rank, the keeper writes
+    :data:`READY` on its standard output. Returns 0 when it ends (a goodbye, its rank's death reported, or its rank gone
     before it started), 1 when the store is gone. A rank whose proof failed starts no keeper, and logs why.
 
     Examples:
@@ -230,10 +267,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(argv if argv is not None else sys.argv[1:])
     host, port, prefix, rank, world_size, parent, beats, every = args[:8]
     flavour = args[8] if len(args) > 8 else "validated"
+    identity = args[9] if len(args) > 9 else None
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C of the job's process group is for the ranks to see
     try:
         wire = _Lazy(host, int(port), prefix, max(5.0, 6 * float(every)), flavour)
-        _keep(wire, int(rank), int(world_size), int(parent), int(beats), float(every))
+        _keep(wire, int(rank), int(world_size), int(parent), int(beats), float(every), identity)
     except (OSError, ValueError, struct.error):
         return 1  # the store is gone or unreachable (the job is over): there is nothing left to keep
     return 0

@@ -147,31 +147,57 @@ class KeeperHandle:
         every: the beat interval in seconds.
 
     Examples:
-        >>> import datetime, os
+        >>> import datetime, os, time
         >>> import torch.distributed as dist
+        >>> from ignite_ext.distributed.liveness.keeper import process_identity
         >>> from ignite_ext.distributed.liveness.watch import KeeperHandle, wire_address
         >>> server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=5), wait_for_workers=False)
         >>> address, _ = wire_address(server)
-        >>> handle = KeeperHandle(address, rank=0, world_size=2, every=0.5)
+        >>> handle = KeeperHandle(address, rank=0, world_size=2, every=0.5, identity=process_identity(os.getpid()))
+        >>> while not handle.ready(): time.sleep(0.01)
         >>> handle.beat(); handle.stop()
         0
 
     .. versionadded:: 0.3.0
     """
 
-    def __init__(self, address: Address, rank: int, world_size: int, every: float) -> None:
+    def __init__(self, address: Address, rank: int, world_size: int, every: float, identity: str) -> None:
         host, port, prefix, flavour = address
         beats, self._out = os.pipe()
         os.set_blocking(self._out, False)  # a keeper that does not read must never block a beat
-        args = [host, str(port), prefix, str(rank), str(world_size), str(os.getpid()), str(beats), str(every), flavour]
+        pid = str(os.getpid())
+        args = [host, str(port), prefix, str(rank), str(world_size), pid, str(beats), str(every), flavour, identity]
         try:
             # -I -S: the standard library only, nothing of the rank's environment (and no torch to import)
             self._process = subprocess.Popen(
-                [sys.executable, "-I", "-S", keeper.__file__, *args], pass_fds=(beats,), stdin=subprocess.DEVNULL
+                [sys.executable, "-I", "-S", keeper.__file__, *args],
+                pass_fds=(beats,),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
             )
         finally:
             os.close(beats)
+        assert self._process.stdout is not None
+        self._said = self._process.stdout
+        os.set_blocking(self._said.fileno(), False)
+        self._ready = False
         self._owner = os.getpid()  # a forked child (a DataLoader worker) holds a copy of the pipe: never its goodbye
+
+    def ready(self) -> bool:
+        """Whether the keeper watches the rank now, or never will (it ended); reads its pipe, never waits.
+
+        Starting an interpreter takes 20 ms on an idle host and a second or more on a loaded one: until the keeper
+        says so, a GIL hold of the rank is not beaten for.
+        """
+        if not self._ready:
+            try:
+                said = os.read(self._said.fileno(), 64)
+                self._ready = said == b"" or keeper.READY in said  # b"": it closed its output (or ended)
+            except BlockingIOError:  # nothing said yet
+                self._ready = self._process.poll() is not None
+            if self._ready:
+                self._said.close()
+        return self._ready
 
     def beat(self) -> None:
         """Tell the keeper the rank's heartbeat thread runs."""
@@ -185,6 +211,7 @@ class KeeperHandle:
         with contextlib.suppress(OSError):
             os.write(self._out, b"q")
         os.close(self._out)
+        self._said.close()
         self._out = -1
         try:
             return self._process.wait(timeout=1.0)
