@@ -182,13 +182,16 @@ def test_capacity_errors_and_default(monkeypatch: pytest.MonkeyPatch) -> None:
         CachedDataset([1], capacity_bytes=shm.available_bytes() * 2)
     with pytest.raises(ValueError, match="scope"):
         CachedDataset([1], scope="host")  # type: ignore[arg-type]
-    monkeypatch.setattr(shm, "available_bytes", lambda directory=shm.SHM_DIR: 100 << 20)
-    ds = CachedDataset([1])
-    assert 0.49 * (100 << 20) < ds.capacity_bytes <= 0.5 * (100 << 20)
-    ds.close()
-    monkeypatch.setattr(shm, "available_bytes", lambda directory=shm.SHM_DIR: 1 << 20)
-    with pytest.raises(ShmSpaceError, match="shm-size"):
-        CachedDataset([1])
+    # The default is reasoned about in a private directory: in /dev/shm it would also count what this user's other
+    # jobs promised there, and fail beside a training job.
+    with shm_directory() as directory:
+        monkeypatch.setattr(shm, "available_bytes", lambda directory=shm.SHM_DIR: 100 << 20)
+        arena = Arena.create(1, directory=directory)
+        assert 0.49 * (100 << 20) < arena.capacity <= 0.5 * (100 << 20)
+        arena.close()
+        monkeypatch.setattr(shm, "available_bytes", lambda directory=shm.SHM_DIR: 1 << 20)
+        with pytest.raises(ShmSpaceError, match="shm-size"):
+            Arena.create(1, directory=directory)
 
 
 @pytest.mark.distributed
