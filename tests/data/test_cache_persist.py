@@ -18,7 +18,8 @@ import pytest
 from torch.utils.data import DataLoader
 
 from ignite_ext.data import CachedDataset, ShardedDistributedSampler
-from ignite_ext.data.cache.persist import PERSIST_RE
+from ignite_ext.data.cache.codec import encode
+from ignite_ext.data.cache.persist import PERSIST_RE, checked_indices, stale_sample
 from tests._world import World
 from tests.data.test_cache import CountingDataset, epoch, fingerprint_loads
 from tests.data.test_cache_users import User
@@ -186,3 +187,23 @@ def test_the_warm_restart_benchmark_runs_and_the_next_job_reads_only_its_checks(
         assert rows[f"{size} next job, not persisted"]["storage_reads"] == n
         assert rows[f"{size} cached epoch"]["storage_reads"] == 0
     assert sum(r["variant"] == "adoption" for r in result["rows"]) == 2
+
+
+def test_spot_check_draws_its_indices_at_random_per_opening() -> None:
+    """A sample changed at high indices (33-62 of 64) is found by some of 20 openings, each drawing its own."""
+    n = 64
+    published = [bytes([i]) * 8 for i in range(n)]
+    now = [b"changed!" if 33 <= i <= 62 else published[i] for i in range(n)]
+
+    def lookup(i: int) -> memoryview:
+        enc = encode(published[i])
+        buf = bytearray(enc.nbytes)
+        enc.write_into(memoryview(buf))
+        return memoryview(buf)
+
+    # Seeds as distinct openings draw them (tiers draws one per opening); fixed here so the test is deterministic.
+    drawn = [tuple(checked_indices(n, lambda i: True, seed)) for seed in range(20)]
+    assert len(set(drawn)) > 1  # not the same indices at every opening
+    assert max(max(d) for d in drawn) > n // 2  # the upper half is checked too
+    found = [stale_sample(lookup, now, n, seed) for seed in range(20)]
+    assert any(i is not None and 33 <= i <= 62 for i in found)

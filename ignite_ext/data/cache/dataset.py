@@ -234,6 +234,9 @@ class CachedDataset(Dataset[Any]):
             self._row = 0
         self.disk_dir = disk.directory if disk is not None else None
         self._slot: tuple[int, int] | None = None
+        # The pid that warned about an uncacheable sample: one warning per dataset and process (each DataLoader
+        # worker is a process of its own and warns at most once), not one per read.
+        self._warned_pid: int | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -339,7 +342,14 @@ class CachedDataset(Dataset[Any]):
         try:
             enc = encode(sample)
         except Exception as exc:  # e.g. an object pickle refuses: the sample is still good, only not cacheable
-            warnings.warn(f"sample {i} cannot be cached and is served uncached: {exc!r}", RuntimeWarning, stacklevel=3)
+            if self._warned_pid != os.getpid():
+                self._warned_pid = os.getpid()
+                warnings.warn(
+                    f"sample {i} cannot be cached and is served uncached (said once per process; later such "
+                    f"samples are served uncached too): {exc!r}",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
             tiers.count_miss(self._row, self._count_slot())
             return sample
         stored = tiers.store(i, enc, self._before_publish)

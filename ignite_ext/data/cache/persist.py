@@ -188,11 +188,17 @@ def checked_indices(n: int, published: Callable[[int], bool], seed: int) -> list
         (3, True)
 
     .. versionadded:: 0.3.0
+
+    .. versionchanged:: 0.4.0
+        The first indices drawn are checked, not the lowest of those drawn (which were nearly always the lowest
+        published indices of the dataset).
     """
     fixed = list(fingerprint_indices(n))
     rng = random.Random(seed)
-    drawn = {i for i in (rng.randrange(n) for _ in range(48 if n else 0)) if i not in fixed and published(i)}
-    return sorted(drawn)[:CHECKED_AT_RANDOM]
+    # Kept in the order drawn (a dict keeps it, and drops repeats): the first few drawn, not the lowest, so that
+    # every published index is as likely to be checked as any other.
+    drawn = {i: None for i in (rng.randrange(n) for _ in range(48 if n else 0)) if i not in fixed and published(i)}
+    return list(drawn)[:CHECKED_AT_RANDOM]
 
 
 def stale_sample(lookup: Callable[[int], memoryview | None], dataset: Any, n: int, seed: int) -> int | None:
