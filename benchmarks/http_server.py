@@ -48,6 +48,8 @@ class Fault:
     range_end: int | None = None
     range_wrong_bytes: bool = False
     range_status: int | None = None
+    # A 206 even to a request without Range (as "bytes 0-"), so that the range lies above reach a plain GET too.
+    always_206: bool = False
     # Other misbehaviour: a Content-Encoding (the body is gzip-compressed for "gzip"), a redirect, a slow body (at
     # trickle_bps, in writes of trickle_bytes: 1 byte at 1.25 B/s keeps every read of the client short).
     encoding: str | None = None
@@ -246,10 +248,11 @@ class _Handler(BaseHTTPRequestHandler):
         if start is None:
             return
         data = file.data
-        request.status = 206 if start else 200
+        ranged = bool(start) or fault.always_206
+        request.status = 206 if ranged else 200
         last = re.fullmatch(r"bytes=\d+-(\d+)", request.range or "") if start else None
         stop = min(len(data), int(last.group(1)) + 1) if last else len(data)
-        if start and fault.range_end is not None:
+        if ranged and fault.range_end is not None:
             stop = min(stop, fault.range_end)
         body = data[start:stop]
         if fault.encoding == "gzip":
@@ -257,14 +260,14 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(request.status)
         self.send_header("Content-Length", str(len(body)))
         self.send_header("Accept-Ranges", "bytes")
-        etag = fault.range_etag if start and fault.range_etag is not None else file.etag
+        etag = fault.range_etag if ranged and fault.range_etag is not None else file.etag
         if etag:
             self.send_header("ETag", etag)
         if file.last_modified:
             self.send_header("Last-Modified", file.last_modified)
         if fault.encoding is not None:
             self.send_header("Content-Encoding", fault.encoding)
-        if start:
+        if ranged:
             total = "*" if fault.star_total else str(fault.range_total or len(data))
             self.send_header("Content-Range", f"bytes {start}-{stop - 1}/{total}")
         self.end_headers()

@@ -58,7 +58,9 @@ def test_range_replies_that_do_not_continue_the_bytes_are_not_appended(
     park_half(server, url, tmp_path)
     server.add("/a.bin", DATA)  # same bytes and validators: only the range answers lie
     server.fault("/a.bin", **lie, times=1)
-    assert download_url(url, tmp_path, progress=False).read_bytes() == DATA
+    # Another total under the same ETag is one ETag given two lengths: only a checksum lets the bytes be published.
+    checksum = {"sha256": SHA} if "range_total" in lie else {}
+    assert download_url(url, tmp_path, progress=False, **checksum).read_bytes() == DATA
     requests = server.requests("/a.bin")
     assert requests[-1].range is None and requests[-1].status == 200  # fetched whole after the lie
 
@@ -85,6 +87,30 @@ def test_a_206_that_ends_before_the_file_does_is_never_published(
     assert download_url(url, tmp_path, progress=False).read_bytes() == data
     requests = [(r.range, r.status, r.sent) for r in server.requests("/a.bin")]
     assert requests == [(None, 200, 50_000), ("bytes=50000-", 206, 20_000), (None, 200, 102_400)]
+
+
+@pytest.mark.parametrize("checksum", [False, True], ids=["no-checksum", "checksum"])
+def test_one_strong_etag_given_two_lengths_publishes_nothing(
+    checksum: bool, server: TestHTTPServer, tmp_path: Path
+) -> None:
+    # A 200 of 102,400 bytes with ETag E, cut short; then every answer, the resume's and the plain GET's after it,
+    # is "206 bytes N-69999/70000" with the same E. One strong ETag names one sequence of bytes, so one of the two
+    # lengths is a lie and nothing tells which: without a checksum nothing is published (and nothing kept to
+    # resume from); with one, the checksum judges the bytes as for any other server.
+    data = DATA[:102_400]
+    url = server.add("/a.bin", data)
+    server.fault("/a.bin", drop_after=50_000, times=1)
+    with pytest.raises(DownloadError):
+        download_url(url, tmp_path, retries=0, progress=False)
+    server.fault("/a.bin", range_end=70_000, range_total=70_000, always_206=True)
+    digest = {"sha256": hashlib.sha256(data).hexdigest()} if checksum else {}
+    with pytest.raises(DownloadError, match="mismatch" if checksum else "102400 bytes and .* 70000"):
+        download_url(url, tmp_path, progress=False, **digest)  # type: ignore[arg-type]
+    assert not (tmp_path / "a.bin").exists()
+    if not checksum:
+        assert list(tmp_path.glob(".a.bin.*.part")) == []
+        # A lie is the URL's answer, not a transient failure: not retried.
+        assert [r.status for r in server.requests("/a.bin")] == [200, 206]
 
 
 def test_a_weak_last_modified_is_no_validator(server: TestHTTPServer, tmp_path: Path) -> None:
@@ -123,7 +149,7 @@ def test_wrong_range_replies_do_not_wedge_the_url(server: TestHTTPServer, tmp_pa
     url = server.add("/a.bin", DATA)
     park_half(server, url, tmp_path)
     server.fault("/a.bin", range_total=600_000)
-    assert download_url(url, tmp_path, progress=False).read_bytes() == DATA
+    assert download_url(url, tmp_path, sha256=SHA, progress=False).read_bytes() == DATA
     assert [(r.range is None, r.status) for r in server.requests("/a.bin")][-1] == (True, 200)
     # With a checksum and wrong bytes in the range answers: one refetch in one piece.
     server.clear_fault("/a.bin")

@@ -19,6 +19,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass
 from email.message import Message
 from typing import IO
@@ -32,6 +33,7 @@ __all__ = [
     "RETRY_AFTER_MAX_S",
     "SCHEMES",
     "FatalHTTPError",
+    "LengthConflict",
     "RangeMismatch",
     "Response",
     "RetryableError",
@@ -182,6 +184,21 @@ class FatalHTTPError(IgniteExtError):
         self.status = status
 
 
+class LengthConflict(FatalHTTPError):
+    """The server gave one strong ``ETag`` of the URL two lengths: it lies about one of them, and nothing says which.
+
+    A strong validator names one sequence of bytes (RFC 9110 §8.8.3), so two lengths under one are not two versions
+    of the file. Without a checksum to judge the bytes, nothing this URL serves is published, nor kept to resume.
+
+    Examples:
+        >>> from ignite_ext.data.download._http import FatalHTTPError, LengthConflict
+        >>> issubclass(LengthConflict, FatalHTTPError)  # the URL's answer, not a transient failure: not retried
+        True
+
+    .. versionadded:: 0.4.0
+    """
+
+
 @dataclass(frozen=True)
 class Validator:
     """What identifies one version of a remote file, so that a resumed range is known to belong to it.
@@ -317,6 +334,7 @@ def open_range(
     timeout: float,
     total: int | None = None,
     stop: int | None = None,
+    lengths: Mapping[str, int] | None = None,
 ) -> Response:
     """Request ``url`` from byte ``offset`` on, valid only if the file is still ``validator``'s version.
 
@@ -331,6 +349,7 @@ def open_range(
         timeout: seconds to wait for the connection and for each read.
         total: the file's size as an earlier response gave it, if known: a 206 claiming another is refused.
         stop: ask only for the bytes before this offset (one segment of a parallel fetch).
+        lengths: the length each strong ``ETag`` of ``url`` was given earlier, if they are to be held to it.
 
     Returns:
         The open response; :attr:`Response.offset` says where its body starts.
@@ -338,6 +357,7 @@ def open_range(
     Raises:
         RangeMismatch: a resumed range that cannot continue the bytes held (see :class:`RangeMismatch`).
         RetryableError: connection errors, timeouts, 5xx and 429.
+        LengthConflict: a response whose strong ``ETag`` is in ``lengths`` with another length.
         FatalHTTPError: the other 4xx, a redirect to a scheme other than ``http``/``https``, or a body in a
             ``Content-Encoding`` other than ``identity`` (its bytes are not the file's).
 
@@ -354,6 +374,8 @@ def open_range(
         0 5 b'hello'
 
     .. versionadded:: 0.1.0
+    .. versionchanged:: 0.4.0
+       ``lengths``: one strong ``ETag``, one length.
     """
     headers = {"User-Agent": _USER_AGENT, "Accept-Encoding": "identity"}
     resume = offset > 0 and validator is not None and validator.if_range is not None
@@ -370,11 +392,17 @@ def open_range(
         return _from_http_error(url, exc, offset if resume else 0)
     except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
         raise RetryableError(f"{url}: {_reason(exc)}") from exc
-    return _from_success(url, raw, offset if resume else 0, validator if resume else None, total, stop)
+    return _from_success(url, raw, offset if resume else 0, validator if resume else None, total, stop, lengths)
 
 
 def _from_success(
-    url: str, raw: IO[bytes], requested: int, sent: Validator | None, known_total: int | None, stop: int | None = None
+    url: str,
+    raw: IO[bytes],
+    requested: int,
+    sent: Validator | None,
+    known_total: int | None,
+    stop: int | None = None,
+    lengths: Mapping[str, int] | None = None,
 ) -> Response:
     status = getattr(raw, "status", None) or 200  # file:// responses carry no status
     headers: Message = raw.headers  # type: ignore[attr-defined]
@@ -388,6 +416,7 @@ def _from_success(
     if status == 206:
         match = _CONTENT_RANGE.fullmatch(headers.get("Content-Range", "").strip())
         total = None if match is None or match.group(3) == "*" else int(match.group(3))
+        _check_length(url, raw, lengths, validator, total)
         problem = _range_problem(match, requested, stop, sent, validator, total, known_total)
         if problem:
             raw.close()
@@ -396,8 +425,22 @@ def _from_success(
         return Response(raw, requested, total, validator, end=int(match.group(2)) + 1, ranges=True)
     length = headers.get("Content-Length")
     size = int(length) if length and length.isdigit() else None
+    _check_length(url, raw, lengths, validator, size)
     ranges = (headers.get("Accept-Ranges") or "").strip().lower() == "bytes"
     return Response(raw, 0, size, validator, end=size, ranges=ranges)
+
+
+def _check_length(
+    url: str, raw: IO[bytes], lengths: Mapping[str, int] | None, validator: Validator, total: int | None
+) -> None:
+    given = None if lengths is None or validator.etag is None else lengths.get(validator.etag)
+    if given is not None and total is not None and total != given:
+        raw.close()
+        raise LengthConflict(
+            f"{url}: the server gave ETag {validator.etag} to a file of {given} bytes and now to one of {total}; "
+            "one of the two is a lie, and without a checksum nothing tells which: nothing was published",
+            0,
+        )
 
 
 def _range_problem(

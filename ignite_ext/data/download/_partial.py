@@ -107,6 +107,8 @@ class Partial:
         self.discard = False
         #: ``[start, stop, done]`` of each segment of a parallel fetch in progress (beyond ``size`` is not held).
         self.segments: list[list[int]] | None = None
+        #: The length each strong ``ETag`` of each URL was given, by this call's responses or the bytes' record.
+        self.lengths: dict[tuple[str, str], int] = {}
         #: Told of the bytes as they are kept (a relay serving them to the job's other holders), if any.
         self.observer: Observer | None = None
         # Never through a link: the path is private, but a shared folder's other users could have put one there.
@@ -153,6 +155,15 @@ class Partial:
         self._record()
         if self.observer is not None and total is not None:
             self.observer.source(total, validator.etag, validator.last_modified, self.fd, self.size)
+
+    def note_length(self, url: str, validator: Validator, total: int | None) -> None:
+        """Remember the length a response gave this strong ``ETag`` of ``url`` (the first one given stays)."""
+        if validator.etag is not None and total is not None:
+            self.lengths.setdefault((url, validator.etag), total)
+
+    def lengths_of(self, url: str) -> dict[str, int]:
+        """The length each strong ``ETag`` of ``url`` was given so far."""
+        return {etag: total for (each, etag), total in self.lengths.items() if each == url}
 
     def note_segments(self, segments: Sequence[Segment] | None) -> None:
         """Record how far each segment of a parallel fetch got (a later writer keeps only the complete prefix)."""
@@ -298,7 +309,9 @@ def _adopt(candidate: Path, mine: Path, urls: Sequence[str], algorithms: set[str
     logger.info("resuming %s from byte %d", candidate.name, partial.size)
     partial.resumed = partial.size > 0
     total = record.get("total")
-    partial.note_source(record["url"], validator, total if isinstance(total, int) else None)
+    total = total if isinstance(total, int) else None
+    partial.note_source(record["url"], validator, total)
+    partial.note_length(record["url"], validator, total)
     return partial
 
 

@@ -48,6 +48,7 @@ from ignite_ext._locks import LockWaitExpired, exclusive
 from ignite_ext.data.download._failures import forget_failure, raise_shared_failure, share_failure
 from ignite_ext.data.download._http import (
     FatalHTTPError,
+    LengthConflict,
     RangeMismatch,
     Response,
     RetryableError,
@@ -335,6 +336,8 @@ def _fetch_from(url: str, partial: Partial, target: Path, job: Job) -> DownloadE
             logger.info("attempt %d of %d failed: %s", failures, job.retries + 1, exc)
             continue
         except FatalHTTPError as exc:
+            if isinstance(exc, LengthConflict):
+                partial.discard = True  # bytes of a version the server lies about: nothing to resume from
             return DownloadError(str(exc), url=url, status=exc.status or None)
         wrong = mismatch(job.expected, partial.digests())
         if wrong is None:
@@ -367,7 +370,10 @@ def _transfer(url: str, partial: Partial, target: Path, job: Job) -> None:
     same_source = partial.url == url and not partial.no_resume
     offset = partial.size if same_source else 0
     validator = partial.validator if same_source else None
-    response = open_range(url, offset, validator, job.timeout, partial.total if same_source else None)
+    # With a checksum the bytes are judged by it; without one, a strong ETag given two lengths publishes nothing.
+    lengths = None if job.expected else partial.lengths_of(url)
+    response = open_range(url, offset, validator, job.timeout, partial.total if same_source else None, lengths=lengths)
+    partial.note_length(url, response.validator, response.total)
     with contextlib.closing(response.body):
         if response.offset != partial.size:
             partial.restart()  # a full body: whatever was on disk is of no use
