@@ -42,6 +42,7 @@ __all__ = [
     "RankDiedError",
     "RankFailedError",
     "RankFailure",
+    "RankStalledError",
     "ShmSpaceError",
     "StoreLostError",
     "rebuilt_error",
@@ -150,6 +151,46 @@ class RankFailedError(IgniteExtError, RuntimeError):
 
     def __reduce__(self) -> tuple[type[RankFailedError], tuple[tuple[RankFailure, ...], str]]:
         return type(self), (self.failures, self.context)
+
+
+class RankStalledError(RankFailedError):
+    """Raised on every rank of a scheduled block whose first rank's reported progress stopped advancing.
+
+    A first rank that reports progress (:mod:`ignite_ext.progress`, and the package's downloads by themselves)
+    and then reports no advance for the block's ``stall_timeout`` is alive but not getting anywhere: a read from
+    a server that stopped sending, a lock a stranger holds, a hung mount. The ranks waiting for it raise this error
+    in the same block instead of waiting for ever; so does the stalled rank, if it ever leaves the block.
+
+    Attributes:
+        stalled: the stalled ranks, sorted (the failures' messages say what they last reported, and when).
+
+    Examples:
+        >>> from ignite_ext.errors import RankFailedError, RankFailure, RankStalledError
+        >>> stall = RankFailure(0, "RankStalledError", "no progress for 600 s; last: downloading a.bin: 45 %")
+        >>> err = RankStalledError([stall], "rank 1 did not run the block")
+        >>> err.stalled, isinstance(err, RankFailedError)
+        ((0,), True)
+
+    .. versionadded:: 0.4.0
+    """
+
+    def __init__(self, failures: Iterable[RankFailure], context: str = "") -> None:
+        super().__init__(failures, context)
+        self.stalled: tuple[int, ...] = tuple(f.rank for f in self.failures if f.exc_type == type(self).__name__)
+
+    @staticmethod
+    def among(failures: Iterable[RankFailure], context: str) -> RankFailedError:
+        """The error for ``failures``: this one if a stall is among them, else :class:`RankFailedError`.
+
+        Examples:
+            >>> from ignite_ext.errors import RankFailure, RankStalledError
+            >>> type(RankStalledError.among([RankFailure(2, "OSError", "disk full")], "")).__name__
+            'RankFailedError'
+        """
+        failures = list(failures)
+        if any(f.exc_type == RankStalledError.__name__ for f in failures):
+            return RankStalledError(failures, context)
+        return RankFailedError(failures, context)
 
 
 class RankDiedError(RankFailedError):

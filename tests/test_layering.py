@@ -80,6 +80,8 @@ def violations() -> list[str]:
                 "ignite_ext.errors"
             ):
                 found.append(f"{where}: the base modules import nothing of the package but the errors")
+            if me.startswith("ignite_ext.progress") and not target.startswith("ignite_ext.progress"):
+                found.append(f"{where}: progress stands alone (every capability reports to it)")
             if _owner(target) != owner and _private(target) and not target.startswith(_BASE_MODULES):
                 found.append(f"{where}: another package's private module")
     for directory in ("benchmarks", "examples"):
@@ -201,6 +203,7 @@ def test_the_checker_sees_a_violation(tmp_path: Path) -> None:
         ("import ignite_ext.data", ("torch", "numpy", "ignite", "fcntl")),
         ("from ignite_ext.data import download_url, extract_archive, DownloadError", ("torch", "numpy", "ignite")),
         ("import ignite_ext.errors", ("torch", "numpy", "ignite")),
+        ("from ignite_ext import progress", ("torch", "numpy", "ignite", "ignite_ext.distributed")),
         ("import ignite_ext.__main__", ("torch", "numpy", "ignite", "tqdm", "filelock")),
     ],
 )

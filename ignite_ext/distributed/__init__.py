@@ -18,7 +18,14 @@ from ignite.distributed.launcher import Parallel as Parallel
 
 from ignite_ext.distributed import _aliases
 from ignite_ext.distributed.agreement import agree
-from ignite_ext.distributed.errors import CollectiveError, RankDiedError, RankFailedError, RankFailure, StoreLostError
+from ignite_ext.distributed.errors import (
+    CollectiveError,
+    RankDiedError,
+    RankFailedError,
+    RankFailure,
+    RankStalledError,
+    StoreLostError,
+)
 from ignite_ext.distributed.liveness import watch_for_groups as _watch_for_groups
 from ignite_ext.distributed.membership import job_store, lost_ranks
 from ignite_ext.distributed.policies import Comm, MasterFirst, Ordered, Plan, Policy, Turn, World
@@ -35,6 +42,7 @@ __all__ = [
     "RankDiedError",
     "RankFailedError",
     "RankFailure",
+    "RankStalledError",
     "SharedPath",
     "StoreLostError",
     "Turn",

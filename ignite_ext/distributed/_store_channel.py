@@ -38,6 +38,7 @@ them and wakes the others (one ``multi_set``): nobody relays the entries to a fi
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import random
 import time
@@ -63,9 +64,10 @@ from ignite_ext.distributed._store import (
 )
 from ignite_ext.distributed.liveness import Cut, Heartbeat, beat_interval, heartbeat_timeout, log_interval
 from ignite_ext.distributed.policies import Plan
-from ignite_ext.distributed.store.codecs import COMPLETE, DEATH_ENTERED, LOST, ExitCount
+from ignite_ext.distributed.store.codecs import COMPLETE, DEATH_ENTERED, LOST, ExitCount, decode_progress
 from ignite_ext.distributed.store.keys import BlockKeys
-from ignite_ext.errors import RankDiedError, RankFailedError, RankFailure, StoreLostError
+from ignite_ext.errors import RankDiedError, RankFailedError, RankFailure, RankStalledError, StoreLostError
+from ignite_ext.progress import Progress
 
 __all__ = ["StoreChannel"]
 
@@ -199,12 +201,19 @@ class StoreChannel(Channel):
             watchdog().extend(self._token, min(time.monotonic() + seconds + heartbeat_timeout(), self._ends_at))
 
     def _wait(
-        self, ready: Callable[[], T | None], what: str, phase: str, checked: bool = False, known: T | None = None
+        self,
+        ready: Callable[[], T | None],
+        what: str,
+        phase: str,
+        checked: bool = False,
+        known: T | None = None,
+        about: Callable[[], str] | None = None,
     ) -> T:
         """Block until ``ready`` returns a value; one store wait per slice; cuts declared between slices; time out.
 
         ``phase``: the block's phase (:data:`~ignite_ext.distributed._store.PHASES`), whose wake key the waker sets.
         ``checked``: the caller has just learnt what ``ready`` would return, ``known`` (no request then).
+        ``about``: what the log line adds (how far the awaited rank got), asked once per line.
         """
         value = known if checked else ready()
         if value is not None:
@@ -217,7 +226,8 @@ class StoreChannel(Channel):
             if left is not None and left <= 0:
                 raise TimeoutError(f"rank {self.rank} waited {now - start:.0f} s for {what} ({self.label})")
             if now - logged >= 0.9 * log_interval():  # at a slice's end, about once a log interval
-                log().info("rank %d has waited %.0f s for %s (%s)", self.rank, now - start, what, self.label)
+                more = about() if about is not None else ""
+                log().info("rank %d has waited %.0f s for %s (%s)%s", self.rank, now - start, what, self.label, more)
                 logged = now
             seconds = slice_seconds()
             if left is not None:
@@ -497,13 +507,46 @@ class StoreChannel(Channel):
         for peer in sorted(self.plan.turns[self.rank].after):
             key = self.keys.outcome(peer)
             # No look first: whoever posts the outcome sets the key after it, and mostly it is still to come.
-            outcome = self._wait(functools.partial(read, self.client, key), f"rank {peer}", "turn", checked=True)
+            outcome = self._wait(
+                functools.partial(read, self.client, key),
+                f"rank {peer}",
+                "turn",
+                checked=True,
+                about=functools.partial(self._progress_of, peer),
+            )
             inherited += decode_failures(outcome)
         return self._unless_declared(_one_per_rank(inherited))
+
+    def _progress_of(self, peer: int) -> str:
+        """``peer``'s progress as it last published it, for a log line (one read), or nothing."""
+        payload = read(self.client, self.keys.progress(peer))
+        return "" if payload is None else f"; rank {peer}: {Progress(*decode_progress(payload))}"
+
+    def dependents_of(self, rank: int) -> list[int]:
+        """The ranks that wait for ``rank``'s outcome in this block's plan."""
+        return self._dependents[rank]
+
+    def post_stall(self, client: Store, failure: RankFailure) -> bool:
+        """Post this rank's outcome as its stall, from its heartbeat thread (``client``); False if it had one.
+
+        What the rank's leaving would do for a failure: the outcome (``compare_set``, so that a body that ends at
+        that moment either posts its own outcome or finds the stall), its dependents woken, its exit counted.
+        """
+        if not put_once(client, self.keys.outcome(self.rank), encode_failures([failure]) + b"\n%d" % self.rank):
+            return False
+        log().warning("rank %d: %s (%s)", self.rank, failure.message, self.label)
+        stalled = copy.copy(self)
+        stalled.client = client
+        stalled._wake(self._dependents[self.rank], "turn")
+        stalled._record_exit([failure])
+        return True
 
     def _leave(self, own: list[RankFailure], inherited: list[RankFailure], linger: bool) -> list[RankFailure]:
         self._check_not_declared()
         if not put_once(self.client, self.keys.outcome(self.rank), encode_failures(own or inherited)):
+            posted = decode_failures(self.client.get(self.keys.outcome(self.rank)))
+            if any(f.rank == self.rank and f.exc_type == RankStalledError.__name__ for f in posted):
+                raise RankStalledError(posted, f"rank {self.rank} left the block after its stall ({self.label})")
             raise self._declared_dead()
         # The ranks waiting for this outcome first: the exit count below is nobody's to wait for but the last.
         self._wake(self._dependents[self.rank], "turn")

@@ -3,6 +3,13 @@
 .. versionadded:: 0.1.0
 """
 
-from ignite_ext.errors import CollectiveError, RankDiedError, RankFailedError, RankFailure, StoreLostError
+from ignite_ext.errors import (
+    CollectiveError,
+    RankDiedError,
+    RankFailedError,
+    RankFailure,
+    RankStalledError,
+    StoreLostError,
+)
 
-__all__ = ["CollectiveError", "RankDiedError", "RankFailedError", "RankFailure", "StoreLostError"]
+__all__ = ["CollectiveError", "RankDiedError", "RankFailedError", "RankFailure", "RankStalledError", "StoreLostError"]

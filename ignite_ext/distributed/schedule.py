@@ -18,14 +18,17 @@ from contextlib import contextmanager
 import ignite.distributed as idist
 import torch.utils.data
 
+from ignite_ext.distributed import liveness
 from ignite_ext.distributed._channel import Channel
 from ignite_ext.distributed._channel_choice import make_channel, scheduler_store
 from ignite_ext.distributed._collective import IdistComm
+from ignite_ext.distributed._progress_watch import watched
 from ignite_ext.distributed._state import GroupState, group_state
+from ignite_ext.distributed._store_channel import StoreChannel
 from ignite_ext.distributed.agreement import agree, disagreement
 from ignite_ext.distributed.policies import MasterFirst, Ordered, Plan, Policy, Turn, World
 from ignite_ext.distributed.shared_path import SharedPath
-from ignite_ext.errors import CollectiveError, RankFailedError, RankFailure
+from ignite_ext.errors import CollectiveError, RankFailure, RankStalledError
 
 __all__ = ["at_block_end", "current_block", "one_rank_first", "rank_scheduler"]
 
@@ -124,19 +127,34 @@ def _call_site() -> str:
     return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
 
 
-def _entry(order: object, timeout: float | None, site: str) -> tuple[int, int, str]:
+def _seconds(name: str, value: object) -> None:
+    """``ValueError`` unless ``value`` is None or a positive number of seconds."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+        raise ValueError(f"{name} should be a number of seconds or None, but given {value!r}")
+    if value is not None and not value > 0:
+        raise ValueError(f"{name} should be positive, but given {value!r}")
+
+
+def _stall(stall_timeout: float | None) -> tuple[float | None, bool]:
+    """The block's stall deadline (None: none) and whether it counts from the body's start (asked explicitly)."""
+    deadline = stall_timeout if stall_timeout is not None else liveness.stall_timeout()
+    return (None if deadline == float("inf") or deadline <= 0 else float(deadline)), stall_timeout is not None
+
+
+def _entry(order: object, timeout: float | None, stall_timeout: float | None, site: str) -> tuple[int, int, str]:
     """This rank's entry (its node, local rank, what it passed and where); ``ValueError`` if what it passed is invalid.
 
     The call site is part of what must agree: a rank that runs one block more than the others, or enters from a
-    thread, would otherwise pair its block with another one of theirs.
+    thread, would otherwise pair its block with another one of theirs. So is the stall deadline as this rank
+    resolved it (``IGNITE_EXT_STALL_TIMEOUT`` may differ between ranks' environments).
     """
     n, npn = idist.get_world_size(), idist.get_nproc_per_node()
     _check(order, World(n, tuple(r // npn for r in range(n)), tuple(r % npn for r in range(n))))
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)):
-        raise ValueError(f"timeout should be a number of seconds or None, but given {timeout!r}")
-    if timeout is not None and timeout <= 0:
-        raise ValueError(f"timeout should be positive, but given {timeout!r}")
-    return idist.get_node_rank(), idist.get_local_rank(), f"{_describe(order)}|timeout={timeout!r}|at {site}"
+    _seconds("timeout", timeout)
+    _seconds("stall_timeout", stall_timeout)
+    stall = _stall(stall_timeout)
+    args = f"{_describe(order)}|timeout={timeout!r}|stall_timeout={stall[0]!r}{'' if stall[1] else ' (default)'}"
+    return idist.get_node_rank(), idist.get_local_rank(), f"{args}|at {site}"
 
 
 def _mismatch(entries: list[tuple[int, int, str]]) -> str | None:
@@ -179,10 +197,12 @@ def _world(layout: Layout) -> World:
     return World(len(first), first, second)
 
 
-def _agree_on_entry(channel: Channel, order: object, timeout: float | None, site: str) -> World:
+def _agree_on_entry(
+    channel: Channel, order: object, timeout: float | None, stall_timeout: float | None, site: str
+) -> World:
     """Check every rank's entry together; ``ValueError`` on every rank if any is invalid or they differ."""
     layout = agree(
-        lambda: _entry(order, timeout, site),
+        lambda: _entry(order, timeout, stall_timeout, site),
         "checking the rank_scheduler arguments",
         check=_mismatch,
         combine=_layout,
@@ -230,7 +250,9 @@ def _run_nested(order: object, state: GroupState) -> Iterator[Turn]:
 
 
 @contextmanager
-def rank_scheduler(order: Policy | None = None, *, timeout: float | None = None) -> Iterator[Turn]:
+def rank_scheduler(
+    order: Policy | None = None, *, timeout: float | None = None, stall_timeout: float | None = None
+) -> Iterator[Turn]:
     """Run the ``with`` block on the ranks in the order the policy sets; yield this rank's :class:`Turn`.
 
     Every rank of the world must enter it (it is collective). The value yielded is truthy on the ranks that
@@ -259,12 +281,20 @@ def rank_scheduler(order: Policy | None = None, *, timeout: float | None = None)
             :class:`~ignite_ext.distributed.Ordered`, :class:`~ignite_ext.distributed.SharedPath` or your own.
         timeout: seconds a rank may wait for others before raising ``TimeoutError``; None waits as long as
             the ranks it waits for are alive.
+        stall_timeout: seconds a first rank may go without progress (:mod:`ignite_ext.progress`, which the
+            package's downloads report by themselves) before every rank raises
+            :class:`~ignite_ext.distributed.RankStalledError`, counted from the body's start and from each
+            report. None: the default deadline (``IGNITE_EXT_STALL_TIMEOUT``, 600 s), counted only while a
+            reported activity is unfinished, so that work that reports nothing is never taken for a stall;
+            ``float("inf")``: none. See the scheduling guide, "Slow, stalled or dead".
 
     Yields:
         This rank's :class:`~ignite_ext.distributed.Turn` (truthy when it runs first).
 
     Raises:
         RankFailedError: another rank's block failed (or it died) and this rank waited for it or ran before it.
+        RankStalledError: a first rank's progress stopped advancing for ``stall_timeout`` (a
+            :class:`~ignite_ext.distributed.RankFailedError`).
         ValueError: invalid or mismatched arguments, on every rank.
         TimeoutError: ``timeout`` passed while waiting.
         RuntimeError: called from a DataLoader worker.
@@ -276,6 +306,8 @@ def rank_scheduler(order: Policy | None = None, *, timeout: float | None = None)
         rank 0 first=True
 
     .. versionadded:: 0.1.0
+    .. versionchanged:: 0.4.0
+       ``stall_timeout``: a first rank whose reported progress stops advancing is reported on every rank.
     """
     if torch.utils.data.get_worker_info() is not None:
         raise RuntimeError(
@@ -295,7 +327,9 @@ def rank_scheduler(order: Policy | None = None, *, timeout: float | None = None)
     # An invalid timeout is reported by the entry exchange, so that exchange must not itself obey it.
     usable = isinstance(timeout, int | float) and not isinstance(timeout, bool) and timeout > 0
     if world_size == 1:
-        world = _agree_on_entry(make_channel(None, state, rank, 1, label, None, -1), order, timeout, site)
+        world = _agree_on_entry(
+            make_channel(None, state, rank, 1, label, None, -1), order, timeout, stall_timeout, site
+        )
         assert isinstance(order, Policy)
         with _calling_at_end(-1), state.inside(world):
             yield order.plan(world, IdistComm()).turns[rank]
@@ -303,7 +337,7 @@ def rank_scheduler(order: Policy | None = None, *, timeout: float | None = None)
     seq = state.take_sequence()
     try:
         channel = make_channel(store, state, rank, world_size, label, timeout if usable else None, seq)
-        with _calling_at_end(seq), _block(channel, order, timeout, state, site) as turn:
+        with _calling_at_end(seq), _block(channel, order, timeout, stall_timeout, state, site) as turn:
             yield turn
     finally:
         state.leave(seq)  # whatever happened, this process reads no key of the block any more
@@ -335,10 +369,17 @@ def _plan(order: Policy, world: World) -> Plan:
 
 
 @contextmanager
-def _block(channel: Channel, order: object, timeout: float | None, state: GroupState, site: str) -> Iterator[Turn]:
+def _block(
+    channel: Channel,
+    order: object,
+    timeout: float | None,
+    stall_timeout: float | None,
+    state: GroupState,
+    site: str,
+) -> Iterator[Turn]:
     """One communicating block on this rank: entry, wait, run, leave."""
     rank = channel.rank
-    world = _agree_on_entry(channel, order, timeout, site)
+    world = _agree_on_entry(channel, order, timeout, stall_timeout, site)
     assert isinstance(order, Policy)
     try:
         plan = _plan(order, world)
@@ -361,20 +402,33 @@ def _block(channel: Channel, order: object, timeout: float | None, state: GroupS
         raise
     if inherited:
         channel.leave([], inherited)
-        raise RankFailedError(inherited, f"rank {rank} did not run the block")
+        raise RankStalledError.among(inherited, f"rank {rank} did not run the block")
     try:
-        with state.inside(world):
+        with state.inside(world), _progress_watched(channel, stall_timeout):
             yield turn
     except BaseException as exc:
         channel.leave([_failure(rank, exc)], [])
         raise
     failures = channel.leave([], [])
     if failures:
-        raise RankFailedError(failures, f"rank {rank} ran the block, but other ranks failed")
+        raise RankStalledError.among(failures, f"rank {rank} ran the block, but other ranks failed")
 
 
 @contextmanager
-def one_rank_first(rank: int = 0, local: bool = False, *, timeout: float | None = None) -> Iterator[Turn]:
+def _progress_watched(channel: Channel, stall_timeout: float | None) -> Iterator[None]:
+    """Publish this rank's progress and watch for its stall while its body runs (where waits use the store)."""
+    if not isinstance(channel, StoreChannel):  # collective waits (Horovod, XLA fallback): no store to publish in
+        yield
+        return
+    deadline, from_start = _stall(stall_timeout)
+    with watched(channel, deadline, from_start):
+        yield
+
+
+@contextmanager
+def one_rank_first(
+    rank: int = 0, local: bool = False, *, timeout: float | None = None, stall_timeout: float | None = None
+) -> Iterator[Turn]:
     """Run the block on ``rank`` first, then on every other rank; yield whether this rank ran first.
 
     The arguments and the ``ValueError`` for a rank out of range are ignite's; the differences are the
@@ -385,6 +439,7 @@ def one_rank_first(rank: int = 0, local: bool = False, *, timeout: float | None 
         rank: the rank that runs first (a local rank with ``local=True``: then one rank per node runs first).
         local: whether ``rank`` is a local rank.
         timeout: seconds the others may wait before raising ``TimeoutError``; None waits while rank is alive.
+        stall_timeout: seconds the first rank may go without progress, as for :func:`rank_scheduler`.
 
     Yields:
         A :class:`~ignite_ext.distributed.Turn`, truthy on the rank(s) that run first.
@@ -397,5 +452,5 @@ def one_rank_first(rank: int = 0, local: bool = False, *, timeout: float | None 
 
     .. versionadded:: 0.1.0
     """
-    with rank_scheduler(MasterFirst(rank, local), timeout=timeout) as turn:
+    with rank_scheduler(MasterFirst(rank, local), timeout=timeout, stall_timeout=stall_timeout) as turn:
         yield turn

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ignite_ext import progress
 from ignite_ext.errors import DownloadError
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "Job",
     "NoBar",
     "NoSpace",
+    "Reported",
     "check_space",
     "progress_bar",
 ]
@@ -87,10 +89,36 @@ class NoBar:
         """Nothing to show."""
 
 
+class Reported:
+    """A progress bar that also reports to the block's progress (:mod:`ignite_ext.progress`): what waiting ranks see.
+
+    Finished when the body is in (a clean exit): checking and publishing it report nothing, and are not a stall.
+    """
+
+    def __init__(self, bar: Any, total: int | None, initial: int, label: str) -> None:
+        self.bar, self.done = bar, initial
+        progress.report(initial, total, what=f"downloading {label}", unit="B")
+
+    def __enter__(self) -> Reported:
+        self.bar.__enter__()
+        return self
+
+    def __exit__(self, kind: object, *exc: object) -> None:
+        self.bar.__exit__(kind, *exc)
+        if kind is None:
+            progress.finish()
+
+    def update(self, n: int) -> None:
+        """``n`` more bytes are in."""
+        self.bar.update(n)
+        progress.advance(n)
+
+
 def progress_bar(enabled: bool, total: int | None, initial: int, label: str) -> Any:
-    """A tqdm bar on stderr if ``enabled`` and stderr is a terminal, else :class:`NoBar`.
+    """A tqdm bar on stderr if ``enabled`` and stderr is a terminal, else :class:`NoBar`; reported either way.
 
     A bar redraws itself with carriage returns: in a job log (a file or a pipe) they would run into the log lines.
+    The bytes are reported to the block's progress (:class:`Reported`) whether a bar is shown or not.
 
     Examples:
         >>> import io, sys
@@ -98,20 +126,20 @@ def progress_bar(enabled: bool, total: int | None, initial: int, label: str) -> 
         >>> saved, sys.stderr = sys.stderr, io.StringIO()  # a job log: not a terminal
         >>> with progress_bar(True, 100, 0, "a.bin") as bar:
         ...     bar.update(100)
-        >>> type(bar).__name__, sys.stderr.getvalue()
+        >>> type(bar.bar).__name__, sys.stderr.getvalue()
         ('NoBar', '')
         >>> sys.stderr = None  # no stderr at all
-        >>> isinstance(progress_bar(True, 100, 0, "a.bin"), NoBar)
+        >>> isinstance(progress_bar(True, 100, 0, "a.bin").bar, NoBar)
         True
         >>> sys.stderr = saved
     """
     stream = sys.stderr
     isatty = getattr(stream, "isatty", None)
     if not (enabled and isatty is not None and isatty()):  # also no stderr at all (pythonw, some daemons)
-        return NoBar()
+        return Reported(NoBar(), total, initial, label)
     from tqdm.auto import tqdm  # only a process that shows a bar imports it
 
-    return tqdm(
+    bar = tqdm(
         total=total,
         initial=initial,
         unit="B",
@@ -121,3 +149,4 @@ def progress_bar(enabled: bool, total: int | None, initial: int, label: str) -> 
         leave=False,
         file=stream,  # the very stream found to be a terminal
     )
+    return Reported(bar, total, initial, label)

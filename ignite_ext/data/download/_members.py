@@ -35,6 +35,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from ignite_ext import progress
 from ignite_ext.errors import ArchiveError
 
 __all__ = [
@@ -192,7 +193,8 @@ def extract_tar(archive: Path, dest: Path, max_total_bytes: int) -> None:
         members = tar.getmembers()
         check_tar_members(members, max_total_bytes)
         options: dict[str, Any] = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
-        tar.extractall(dest, members=members, **options)
+        # Members reported as they are extracted: the ranks waiting for this one see how far it got.
+        tar.extractall(dest, members=progress.track(members, what=f"extracting {archive.name}"), **options)
 
 
 def extract_zip(archive: Path, dest: Path, max_total_bytes: int) -> None:
@@ -222,7 +224,7 @@ def extract_zip(archive: Path, dest: Path, max_total_bytes: int) -> None:
             if total > max_total_bytes:
                 raise ArchiveError(f"archive holds more than {max_total_bytes} bytes")
         budget = [max_total_bytes]
-        for info in infos:
+        for info in progress.track(infos, what=f"extracting {archive.name}"):
             _extract_zip_member(zf, info, dest, budget)
 
 

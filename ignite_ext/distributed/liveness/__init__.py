@@ -24,6 +24,7 @@ from ignite_ext.distributed.liveness.settings import (
     heartbeat_timeout,
     log_interval,
     process_watch,
+    stall_timeout,
 )
 
 __all__ = [
@@ -36,5 +37,6 @@ __all__ = [
     "heartbeat_timeout",
     "log_interval",
     "process_watch",
+    "stall_timeout",
     "watch_for_groups",
 ]

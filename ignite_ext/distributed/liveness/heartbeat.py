@@ -83,6 +83,8 @@ class Heartbeat:
         self._pending: list[str] = []
         self._ack: tuple[str, str, int] | None = None  # an acknowledgement to send (see ack_later)
         self._ack_lock = threading.Lock()
+        self._followers: list[Callable[[Store], None]] = []  # called after each beat, with this thread's client
+        self._following = threading.Lock()  # held while they run
         self._thread: threading.Thread | None = None
         self._ticks: dict[str, float] = {}  # wake key -> when to set it
         # When the thread wakes next unless woken (infinity while it is deciding): a tick due later needs no wake-up.
@@ -169,6 +171,22 @@ class Heartbeat:
             pending, self._ack = self._ack, None
             if pending is not None:
                 ack(self._client, *pending)
+
+    def follow(self, follower: Callable[[Store], None]) -> None:
+        """Call ``follower`` after each beat, in the heartbeat thread, with its client (until :meth:`unfollow`).
+
+        What runs there runs while the rank's main thread works in its block (a first rank's progress, its stall):
+        it must be quick, and its store requests are the beat's, armed on the watchdog like them.
+        """
+        with self._lock:
+            self._followers.append(follower)
+
+    def unfollow(self, follower: Callable[[Store], None]) -> None:
+        """Stop calling ``follower``; once this returns, it is not running and will not run again."""
+        with self._lock:
+            self._followers.remove(follower)
+        with self._following:  # a call under way ends first
+            pass
 
     def tick(self, key: str, seconds: float) -> None:
         """Set ``key`` in ``seconds`` (ends the caller's slice), or at once when a cut comes, unless :meth:`untick`."""
@@ -375,9 +393,22 @@ class Heartbeat:
                         return
                     if self._keeper is not None:
                         self._keeper.beat()
+                    self._follow()
                     next_beat = time.monotonic() + self._every
             except (RuntimeError, OSError):  # torch's store errors are RuntimeErrors; a bug is not caught here
                 return  # the store is gone (process group destroyed or its host died): nothing left to beat
+
+    def _follow(self) -> None:
+        with self._following:
+            with self._lock:
+                followers = list(self._followers)
+            for follower in followers:
+
+                def run(follower: Callable[[Store], None] = follower) -> bool:
+                    follower(self._client)
+                    return True
+
+                self._armed(run)
 
     def _armed(self, beat: Callable[[], bool]) -> bool:
         """Run ``beat``, armed on the watchdog while a waiter waits (outside blocks a slow store is not ours to cut)."""

@@ -7,7 +7,15 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["beat_interval", "early_heartbeat", "env_float", "heartbeat_timeout", "log_interval", "process_watch"]
+__all__ = [
+    "beat_interval",
+    "early_heartbeat",
+    "env_float",
+    "heartbeat_timeout",
+    "log_interval",
+    "process_watch",
+    "stall_timeout",
+]
 
 
 def env_float(name: str, default: float) -> float:
@@ -70,6 +78,23 @@ def log_interval() -> float:
     .. versionadded:: 0.3.0
     """
     return env_float("IGNITE_EXT_WAIT_LOG_INTERVAL", 30.0)
+
+
+def stall_timeout() -> float:
+    """The default stall deadline of a scheduled block, in seconds (``IGNITE_EXT_STALL_TIMEOUT``, 600).
+
+    It counts only while a first rank's reported activity is unfinished (see the scheduling guide, "Slow, stalled
+    or dead"): an honest download or tokenization advances far more often than every 10 minutes, and a wedged one
+    is then reported within 10 minutes instead of never; work that reports nothing is never counted by default.
+
+    Examples:
+        >>> from ignite_ext.distributed.liveness.settings import stall_timeout
+        >>> stall_timeout()
+        600.0
+
+    .. versionadded:: 0.4.0
+    """
+    return env_float("IGNITE_EXT_STALL_TIMEOUT", 600.0)
 
 
 def early_heartbeat() -> bool:

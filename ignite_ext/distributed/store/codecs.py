@@ -7,9 +7,25 @@ Standard library only: the keeper loads it by its path.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 
-__all__ = ["COMPLETE", "DEATH_ENTERED", "LOST", "ExitCount", "cut_ranks", "decode_cut", "encode_cut"]
+__all__ = [
+    "COMPLETE",
+    "DEATH_ENTERED",
+    "LOST",
+    "ExitCount",
+    "ProgressRecord",
+    "cut_ranks",
+    "decode_cut",
+    "decode_progress",
+    "encode_cut",
+    "encode_progress",
+]
+
+#: A rank's published progress: what, done, total (None: unknown), rate (None: not yet), seconds since it last
+#: advanced when published, finished, unit (see :class:`ignite_ext.progress.Progress`).
+ProgressRecord = tuple[str, float, float | None, float | None, float, bool, str]
 
 #: Added to a block's ``exits`` for each rank found dead after posting its outcome: it may never have counted its
 #: exit. Below it, ``exits`` counts as :class:`ExitCount` says (at most ``N * (N + 2)``, far below ``2**32``).
@@ -112,3 +128,35 @@ class ExitCount:
     def records(self, exits: int) -> int:
         """How many failure records the failed exits wrote (without a loss; after one, the record counter says)."""
         return exits // (self.world_size + 1)
+
+
+def encode_progress(record: ProgressRecord) -> bytes:
+    """A rank's progress as stored: an ASCII JSON list of :data:`ProgressRecord`'s fields.
+
+    Examples:
+        >>> from ignite_ext.distributed.store.codecs import decode_progress, encode_progress
+        >>> encode_progress(("downloading a.bin", 5e6, 1e7, 2e6, 0.25, False, "B"))
+        b'["downloading a.bin", 5000000.0, 10000000.0, 2000000.0, 0.25, false, "B"]'
+        >>> decode_progress(encode_progress(("tokenizing", 3, None, None, 1.5, False, "")))
+        ('tokenizing', 3.0, None, None, 1.5, False, '')
+
+    .. versionadded:: 0.4.0
+    """
+    return json.dumps(list(record)).encode()
+
+
+def decode_progress(payload: bytes) -> ProgressRecord:
+    """The :data:`ProgressRecord` stored by :func:`encode_progress`.
+
+    .. versionadded:: 0.4.0
+    """
+    what, done, total, rate, since, finished, unit = json.loads(payload.decode())
+    return (
+        str(what),
+        float(done),
+        None if total is None else float(total),
+        None if rate is None else float(rate),
+        float(since),
+        bool(finished),
+        str(unit),
+    )

@@ -46,6 +46,10 @@ are ASCII text (JSON, decimal counters, or the codecs of :mod:`~ignite_ext.distr
                                          outcome, once
     ignite_ext/sched/<seq>/complete      who finds every outcome by rank 0, idem                  failures JSON
                                          posted after a loss
+    ignite_ext/sched/<seq>/progress/<rank>  rank's heartbeat      by rank, idem (if written)       progress (codecs)
+                                         thread, at a beat, while
+                                         its progress changed and
+                                         a rank waits for it
     ignite_ext/relay/<block>/<file>/...  the relay chain of      see the relay chain              small values
                                          download_for_job        (data.download._chain)
 
@@ -219,8 +223,12 @@ class BlockKeys:
         """
         return f"{self.prefix}/wake/{rank}/{phase}"
 
+    def progress(self, rank: int) -> str:
+        """How far ``rank`` got in the block (:func:`~ignite_ext.distributed.store.codecs.encode_progress`)."""
+        return f"{self.prefix}/progress/{rank}"
+
     def deleted_by(self, rank: int) -> list[str]:
-        """The keys of this block that ``rank`` deletes (its ``fail/<i>`` keys aside, which only it knows of)."""
+        """The keys of this block that ``rank`` deletes (not its ``fail/<i>`` and ``progress``: it carries those)."""
         own = [self.outcome(rank), self.entry(rank), *(self.wake(rank, phase) for phase in PHASES)]
         shared = [self.exits, self.nfail, self.acks, self.acked, self.entered, self.verdict, self.complete]
         return [*own, *shared] if rank == 0 else own
