@@ -102,8 +102,7 @@ class ProgressWatch:
 
 @contextmanager
 def watched(channel: StoreChannel, stall_timeout: float | None, from_start: bool) -> Iterator[ProgressWatch]:
-    """Follow this rank's progress while its body runs, if a rank waits for it; yield the watch."""
-    progress.begin()
+    """Follow this rank's progress while its body runs (its board begun), if a rank waits for it; yield the watch."""
     watch = ProgressWatch(channel, stall_timeout, from_start)
     waited_for = bool(channel.dependents_of(channel.rank))
     if waited_for:

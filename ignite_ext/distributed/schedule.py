@@ -18,6 +18,7 @@ from contextlib import contextmanager
 import ignite.distributed as idist
 import torch.utils.data
 
+from ignite_ext import progress
 from ignite_ext.distributed import liveness
 from ignite_ext.distributed._channel import Channel
 from ignite_ext.distributed._channel_choice import make_channel, scheduler_store
@@ -221,13 +222,16 @@ def _plans_differ(digests: list[str]) -> str | None:
     return None if differ is None else f"the policy planned differently on different ranks (plan digests): {differ}"
 
 
-def _failure(rank: int, exc: BaseException) -> RankFailure:
+def _failure(rank: int, exc: BaseException, last: progress.Progress | None = None) -> RankFailure:
+    """``exc`` as the others learn of it; ``last``: the progress the block reported before it (said after)."""
     try:
         message = str(exc)
     except Exception as inner:  # a failure must reach the others even when its __str__ is broken
         message = f"<str() of the exception raised {type(inner).__name__}>"
     if len(message) > _MAX_MESSAGE:
         message = message[:_MAX_MESSAGE] + "..."
+    if last is not None:
+        message += f" [last progress: {last}]"
     where = "".join(traceback.format_list(traceback.extract_tb(exc.__traceback__)[-_WHERE_FRAMES:]))
     if len(where) > _MAX_MESSAGE:
         where = "..." + where[-_MAX_MESSAGE:]
@@ -407,7 +411,7 @@ def _block(
         with state.inside(world), _progress_watched(channel, stall_timeout):
             yield turn
     except BaseException as exc:
-        channel.leave([_failure(rank, exc)], [])
+        channel.leave([_failure(rank, exc, progress.current())], [])
         raise
     failures = channel.leave([], [])
     if failures:
@@ -417,6 +421,7 @@ def _block(
 @contextmanager
 def _progress_watched(channel: Channel, stall_timeout: float | None) -> Iterator[None]:
     """Publish this rank's progress and watch for its stall while its body runs (where waits use the store)."""
+    progress.begin()  # what the body reports, and only that, is the block's (its failure carries the last of it)
     if not isinstance(channel, StoreChannel):  # collective waits (Horovod, XLA fallback): no store to publish in
         yield
         return

@@ -225,3 +225,23 @@ def test_a_stopped_first_rank_that_reported_progress_is_dead_not_stalled(world: 
         assert r.ok and r.value["outcome"] == "RankFailedError" and r.value["dead"] == [2], str(r)
         assert r.value["stalled"] == [], r.value
     assert results[2].ok and results[2].value["outcome"] == "RankDiedError", str(results[2])
+
+
+def _report_then_fail() -> None:
+    progress.report(3, total=10, what="unpacking")
+    raise OSError("disk full")
+
+
+def body_first_rank_fails_after_progress() -> dict[str, Any]:
+    try:
+        return _outcome(0, _report_then_fail)
+    except OSError as exc:
+        return {"outcome": type(exc).__name__, "message": str(exc)}
+
+
+def test_a_failed_first_ranks_error_carries_its_last_progress(world: World) -> None:
+    results = world.results(body_first_rank_fails_after_progress, env=ENV, deadline=120)
+    assert results[0].ok and results[0].value == {"outcome": "OSError", "message": "disk full"}, str(results[0])
+    for r in results[1:]:
+        assert r.ok and r.value["outcome"] == "RankFailedError", str(r)
+        assert "OSError: disk full [last progress: unpacking: 3 of 10 (30 %)" in r.value["message"], r.value
