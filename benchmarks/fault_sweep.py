@@ -13,6 +13,9 @@ process of its own as torchrun's agent serves it) and injects one fault:
 * **pause**: the same sets SIGSTOPped for ``2 T`` at the same moments, then SIGCONTed.
 * **crash**: one rank SIGKILLs itself just before or just after its ``k``-th store request of the scenario, for
   every ``k`` found by counting the requests of a clean run (so the sweep follows the protocol as it changes).
+* **stall**: the rank that fires a moment inside a body stops advancing there, alive (every body reports
+  progress as it starts; the stall deadline is ``T``): it holds still for the deadline and ``2 T`` more, then
+  goes on. Every rank, the stalled one included, must raise ``RankStalledError`` naming it, in the same block.
 
 The scenario (every rank): block **A** ``one_rank_first()`` (rank 0 works ``W`` seconds, the others a fifth of
 it), block **B** ``rank_scheduler(Ordered())`` with a nested ``one_rank_first()`` inside, block **C**
@@ -31,7 +34,8 @@ it), block **B** ``rank_scheduler(Ordered())`` with a nested ``one_rank_first()`
 errors; each names exactly the lost ranks, sorted, without duplicates, the same set on every survivor; they fail
 in the same block; no block body runs twice, nor after a rank it waited for failed; detection within ``4/3 T``
 plus the scenario's remaining work and a scheduling slack; a paused rank raises ``RankDiedError`` (it was
-declared dead) or, when nobody needed it meanwhile, carries on with the others.
+declared dead) or, when nobody needed it meanwhile, carries on with the others; after a stall, every rank raises
+``RankStalledError`` naming the stalled rank alone, in one block, within :func:`stall_bound`.
 
 Run ``python -m benchmarks.fault_sweep [--n 4] [--sample K --seed S]``; without ``--sample`` the whole scope is
 swept and the table written to ``docs/benchmarks/fault_sweep.md``.
@@ -72,6 +76,8 @@ __all__ = [
     "keepers",
     "requests_in_block",
     "run_trial",
+    "stall_bound",
+    "stall_trials",
 ]
 
 #: Who fires each moment (see the module docstring).
@@ -88,6 +94,8 @@ MOMENTS: dict[str, int] = {
 WORK_S = 1.0
 #: The package's errors a survivor may raise (the store host lost with rank 0 is a StoreLostError).
 PACKAGE_ERRORS = ("RankFailedError", "RankDiedError", "StoreLostError")
+#: The moments inside a body, where a rank can stall (at the entry and between blocks nothing is reported).
+STALL_MOMENTS = ("first-runs", "later-run", "ordered", "nested")
 
 
 @dataclass(frozen=True)
@@ -191,6 +199,7 @@ class _Log:
 
 def _scenario(rank: int, trial: Trial, out: Path, fire: Any) -> None:
     import ignite_ext.distributed as idist
+    from ignite_ext import progress
 
     log = _Log(out / f"rank{rank}.jsonl")
 
@@ -198,8 +207,15 @@ def _scenario(rank: int, trial: Trial, out: Path, fire: Any) -> None:
         if name == trial.moment and MOMENTS[name] == rank:
             log("fire", moment=name)
             fire.set()
-            if rank in trial.victims:
+            if trial.fault == "stall":  # alive, its body's activity unfinished, not advancing
+                time.sleep(trial.heartbeat_timeout + 2 * trial.heartbeat_timeout)
+            elif rank in trial.victims:
                 time.sleep(1.0)  # the fault lands here (a paused rank goes on after this)
+
+    def body(name: str, **data: Any) -> None:
+        log("body", block=name, **data)
+        if trial.fault == "stall":
+            progress.advance(what=f"block {name}")
 
     block = "A"
     try:
@@ -208,7 +224,7 @@ def _scenario(rank: int, trial: Trial, out: Path, fire: Any) -> None:
             moment("entry")
         log("enter", block="A")
         with idist.one_rank_first() as first:
-            log("body", block="A")
+            body("A")
             if first:
                 moment("first-runs")
                 time.sleep(WORK_S)
@@ -222,7 +238,7 @@ def _scenario(rank: int, trial: Trial, out: Path, fire: Any) -> None:
         block = "B"
         log("enter", block="B")
         with idist.rank_scheduler(order=idist.Ordered()):
-            log("body", block="B")
+            body("B")
             moment("ordered")
             with idist.one_rank_first():
                 moment("nested")
@@ -231,7 +247,7 @@ def _scenario(rank: int, trial: Trial, out: Path, fire: Any) -> None:
         block = "C"
         log("enter", block="C")
         with idist.rank_scheduler(order=idist.SharedPath(out / "shared")) as turn:
-            log("body", block="C", first=bool(turn))
+            body("C", first=bool(turn))
             time.sleep(0.05)
             log("done", block="C")
         log("ok")
@@ -242,6 +258,7 @@ def _scenario(rank: int, trial: Trial, out: Path, fire: Any) -> None:
             type=type(exc).__name__,
             dead=list(getattr(exc, "dead", ())),
             ranks=list(getattr(exc, "ranks", ())),
+            stalled=list(getattr(exc, "stalled", ())),
             message=str(exc)[:500],
         )
 
@@ -256,6 +273,7 @@ def _rank_main(rank: int, trial: Trial, port: int, out: str, fire: Any) -> None:
         "MASTER_PORT": str(port),
         "OMP_NUM_THREADS": "1",
         "IGNITE_EXT_HEARTBEAT_TIMEOUT": str(trial.heartbeat_timeout),
+        "IGNITE_EXT_STALL_TIMEOUT": str(trial.heartbeat_timeout),
     }
     if trial.store == "agent":
         env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
@@ -347,6 +365,8 @@ def run_trial(trial: Trial, ctx: Any = None) -> TrialResult:
             for proc in procs:
                 proc.start()
             end = time.monotonic() + _deadline(trial)
+            if trial.fault == "stall" and fire.wait(max(0.0, end - time.monotonic())):
+                result.fired_at = time.monotonic()
             if trial.fault in ("kill", "pause", "exit") and fire.wait(max(0.0, end - time.monotonic())):
                 sig = signal.SIGSTOP if trial.fault == "pause" else signal.SIGKILL
                 if trial.fault == "exit":  # the victim sleeps a second at the moment: its keeper is surely up
@@ -442,6 +462,9 @@ def check(result: TrialResult) -> None:
                 if not done:
                     bad.append(f"rank {r} ran block {block}'s body although rank {peer}, which it waits for, did not")
     raised = {r: o for r, o in outcomes.items() if o is not None and o["event"] == "raise"}
+    if trial.fault == "stall":
+        _check_stall(result, outcomes)
+        return
     if not lost:
         if trial.fault == "pause":
             _check_pause(result, outcomes)
@@ -501,6 +524,37 @@ def keeper_bound(t: float) -> float:
     return WORK_S + 2.5
 
 
+def stall_bound(t: float) -> float:
+    """The latest a rank may raise after a stall began: the deadline (``T`` here), a beat, and the same slack.
+
+    The stalled rank's heartbeat thread posts it at its first beat after the deadline (a beat is ``T/6``), and
+    every waiting rank hears it at once (its wake key); the slack is :func:`detection_bound`'s.
+    """
+    return t + t / 6 + 0.5 * t + 1.0
+
+
+def _check_stall(result: TrialResult, outcomes: dict[int, dict[str, Any] | None]) -> None:
+    """Every rank raises RankStalledError naming the stalled rank, in one block; the others within the bound."""
+    trial, bad = result.trial, result.violations
+    stalled = list(trial.victims)
+    for r, o in outcomes.items():
+        if o is None:
+            continue
+        if o["event"] != "raise" or o["type"] != "RankStalledError":
+            bad.append(f"rank {r} ended with {o.get('type', 'no error')}, not RankStalledError: {o.get('message')}")
+        elif o["stalled"] != stalled or o["dead"]:
+            bad.append(f"rank {r} names stalled {o['stalled']} and dead {o['dead']}; stalled was {stalled}")
+        elif r not in stalled and result.fired_at is not None:
+            result.detection[r] = o["t"] - result.fired_at
+    blocks = {o["block"] for o in outcomes.values() if o is not None and o["event"] == "raise"}
+    if len(blocks) > 1:
+        bad.append(f"ranks raised in different blocks: { {r: o['block'] for r, o in outcomes.items() if o} }")
+    bound = stall_bound(trial.heartbeat_timeout)
+    late = {r: round(s, 2) for r, s in result.detection.items() if s > bound}
+    if late:
+        bad.append(f"stall reported later than {bound:.1f} s: {late}")
+
+
 def _check_pause(result: TrialResult, outcomes: dict[int, dict[str, Any] | None]) -> None:
     trial, bad = result.trial, result.violations
     paused = set(trial.victims)
@@ -555,6 +609,21 @@ def fault_trials(
         Trial(n, fault, store, victims, moment, heartbeat_timeout=t)
         for victims in kill_sets(n, rng)
         for moment in MOMENTS
+        for store in stores
+    ]
+
+
+def stall_trials(n: int, t: float, stores: tuple[str, ...] = ("agent", "rank0")) -> list[Trial]:
+    """A stall at every moment inside a body (:data:`STALL_MOMENTS`), by the rank that fires it.
+
+    Examples:
+        >>> from benchmarks.fault_sweep import stall_trials
+        >>> [(t.moment, t.victims) for t in stall_trials(4, 3.0, ("agent",))]
+        [('first-runs', (0,)), ('later-run', (1,)), ('ordered', (1,)), ('nested', (0,))]
+    """
+    return [
+        Trial(n, "stall", store, (MOMENTS[moment],), moment, heartbeat_timeout=t)
+        for moment in STALL_MOMENTS
         for store in stores
     ]
 
@@ -681,7 +750,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--t", type=float, default=3.0, help="heartbeat timeout of the trials")
     parser.add_argument("--exit-t", type=float, default=10.0, help="heartbeat timeout of the exit trials")
-    parser.add_argument("--faults", default="kill,exit,pause,crash")
+    parser.add_argument("--faults", default="kill,exit,pause,crash,stall")
     parser.add_argument("--stores", default="agent,rank0", help="who serves the store: agent, rank0 or both")
     parser.add_argument("--sample", type=int, default=0, help="run this many trials drawn at random (0: all)")
     parser.add_argument("--seed", type=int, default=None)
@@ -709,6 +778,8 @@ def main(argv: list[str] | None = None) -> int:
     for fault in args.faults.split(","):
         if fault == "crash":
             trials += crash_trials(args.n, args.t, count_requests(args.n, args.t))
+        elif fault == "stall":
+            trials += stall_trials(args.n, args.t, tuple(args.stores.split(",")))
         else:
             t = args.exit_t if fault == "exit" else args.t
             trials += fault_trials(args.n, fault, t, random.Random(seed), tuple(args.stores.split(",")))

@@ -5,9 +5,9 @@ While a rank runs a block's body that other ranks wait for, its heartbeat thread
 after each beat:
 
 * **Publish.** When the progress changed since the last beat, one ``set`` of the block's ``progress/<rank>`` key:
-  at most one request per beat per first rank, none while nothing changes, none on a rank nobody waits for. At
-  10,000 ranks with one rank first (or one per node of 8), that is one (or 1,250) requests per beat in the job,
-  whatever the number of waiting ranks; each waiting rank reads the key once per log line (30 s).
+  at most one request per beat per rank that reports, none while nothing changes. At 10,000 ranks with one rank
+  first (or one per node of 8) reporting, that is one (or 1,250) requests per beat in the job, whatever the
+  number of waiting ranks; each waiting rank reads the key once per log line (30 s).
 * **Stall.** With a stall deadline ``S``, a reported activity that has not finished and has not advanced for
   ``S`` is a stall: the heartbeat thread posts the rank's outcome as :class:`~ignite_ext.errors.RankStalledError`
   (the same ``compare_set`` as any outcome: exactly one outcome per rank), counts its exit and wakes the ranks
@@ -102,13 +102,15 @@ class ProgressWatch:
 
 @contextmanager
 def watched(channel: StoreChannel, stall_timeout: float | None, from_start: bool) -> Iterator[ProgressWatch]:
-    """Follow this rank's progress while its body runs (its board begun), if a rank waits for it; yield the watch."""
+    """Follow this rank's progress while its body runs (its board begun); yield the watch.
+
+    Every rank's body is waited for: by the ranks whose turn comes after it, and by every rank at the block's
+    exit (a block is all-or-nothing). So a later rank that stalls is posted as one too, and the others, waiting
+    at the exit, raise it in the same block.
+    """
     watch = ProgressWatch(channel, stall_timeout, from_start)
-    waited_for = bool(channel.dependents_of(channel.rank))
-    if waited_for:
-        channel.heartbeat.follow(watch)
+    channel.heartbeat.follow(watch)
     try:
         yield watch
     finally:
-        if waited_for:
-            channel.heartbeat.unfollow(watch)
+        channel.heartbeat.unfollow(watch)

@@ -522,10 +522,6 @@ class StoreChannel(Channel):
         payload = read(self.client, self.keys.progress(peer))
         return "" if payload is None else f"; rank {peer}: {Progress(*decode_progress(payload))}"
 
-    def dependents_of(self, rank: int) -> list[int]:
-        """The ranks that wait for ``rank``'s outcome in this block's plan."""
-        return self._dependents[rank]
-
     def post_stall(self, client: Store, failure: RankFailure) -> bool:
         """Post this rank's outcome as its stall, from its heartbeat thread (``client``); False if it had one.
 

@@ -407,27 +407,40 @@ def _block(
     if inherited:
         channel.leave([], inherited)
         raise RankStalledError.among(inherited, f"rank {rank} did not run the block")
+    stall: list[RankFailure] = []  # this rank's own stall, once its heartbeat thread posted it
     try:
-        with state.inside(world), _progress_watched(channel, stall_timeout):
+        with state.inside(world), _progress_watched(channel, stall_timeout, stall):
             yield turn
     except BaseException as exc:
+        if stall:  # its outcome is posted already, and the others may be gone with the store: nothing to send
+            raise RankStalledError(stall, f"rank {rank} left the block after its stall") from exc
         channel.leave([_failure(rank, exc, progress.current())], [])
         raise
+    if stall:
+        raise RankStalledError(stall, f"rank {rank} left the block after its stall")
     failures = channel.leave([], [])
     if failures:
         raise RankStalledError.among(failures, f"rank {rank} ran the block, but other ranks failed")
 
 
 @contextmanager
-def _progress_watched(channel: Channel, stall_timeout: float | None) -> Iterator[None]:
-    """Publish this rank's progress and watch for its stall while its body runs (where waits use the store)."""
+def _progress_watched(channel: Channel, stall_timeout: float | None, stall: list[RankFailure]) -> Iterator[None]:
+    """Publish this rank's progress and watch for its stall while its body runs (where waits use the store).
+
+    ``stall`` gets this rank's stall failure if its heartbeat thread posted one (read once the body is over).
+    """
     progress.begin()  # what the body reports, and only that, is the block's (its failure carries the last of it)
     if not isinstance(channel, StoreChannel):  # collective waits (Horovod, XLA fallback): no store to publish in
         yield
         return
     deadline, from_start = _stall(stall_timeout)
-    with watched(channel, deadline, from_start):
-        yield
+    watch = None
+    try:
+        with watched(channel, deadline, from_start) as watch:
+            yield
+    finally:  # the watch ended: no stall is posted after this look
+        if watch is not None and watch.stalled is not None:
+            stall.append(watch.stalled)
 
 
 @contextmanager

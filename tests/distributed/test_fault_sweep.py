@@ -24,6 +24,7 @@ from benchmarks.fault_sweep import (
     fault_trials,
     requests_in_block,
     run_trial,
+    stall_trials,
 )
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
@@ -89,6 +90,13 @@ def test_a_rank_dead_at_requests_of_a_shared_path_block_is_reported_by_every_sur
 )
 def test_a_paused_rank_raises_rank_died_and_does_not_carry_on(paused: tuple[int, ...], moment: str) -> None:
     _passes(run_trial(Trial(4, "pause", "agent", paused, moment, heartbeat_timeout=T)))
+
+
+@pytest.mark.parametrize("trial", stall_trials(4, T), ids=lambda t: f"{t.moment}-{t.store}")
+def test_a_rank_that_stalls_inside_any_body_is_reported_by_every_rank_in_that_block(trial: Trial) -> None:
+    # Every moment inside a body, both stores: a later rank's stall too (the others wait for it at the exit), and
+    # with the store in rank 0's process, the stalled rank learns of its stall without it (rank 0 may be gone).
+    _passes(run_trial(trial))
 
 
 def test_a_seeded_sample_of_the_whole_scope() -> None:
