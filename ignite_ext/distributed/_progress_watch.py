@@ -65,12 +65,13 @@ class ProgressWatch:
         self.from_start = from_start
         self.started = time.monotonic()
         self.stalled: RankFailure | None = None  # set once, by the heartbeat thread, when it declared the stall
+        self.closed = False  # the body is over: a call still under way posts nothing more
         self._published: tuple[str, float, bool] | None = None
         self._lock = threading.Lock()
 
     def __call__(self, client: Store) -> None:
         with self._lock:
-            if self.stalled is not None:
+            if self.stalled is not None or self.closed:
                 return
             now = progress.current()
             if now is not None:
@@ -83,7 +84,9 @@ class ProgressWatch:
                     put(client, key, encode_progress(record))
                     self._published = state
             silent = self._silent_for(now)
-            if self.stall_timeout is not None and silent is not None and silent > self.stall_timeout:
+            stalled = self.stall_timeout is not None and silent is not None and silent > self.stall_timeout
+            if stalled and not self.closed:
+                assert silent is not None and self.stall_timeout is not None
                 failure = RankFailure(
                     self.channel.rank, RankStalledError.__name__, stall_message(silent, self.stall_timeout, now)
                 )
@@ -113,4 +116,5 @@ def watched(channel: StoreChannel, stall_timeout: float | None, from_start: bool
     try:
         yield watch
     finally:
+        watch.closed = True
         channel.heartbeat.unfollow(watch)
