@@ -1,9 +1,12 @@
 """Every error the package raises, under one root: :class:`IgniteExtError`.
 
 Each error also keeps the standard library base that code written before it already catches:
-:class:`DownloadError` is an :class:`OSError`, :class:`ArchiveError` a :class:`ValueError`,
+:class:`DownloadError` is a :class:`urllib.error.URLError` (so an :class:`OSError`), :class:`ChecksumError` also a
+:class:`RuntimeError` (what torchvision raises for a wrong md5), :class:`ArchiveError` a :class:`ValueError`,
 :class:`RankFailedError` and :class:`ShmSpaceError` are both :class:`RuntimeError`. So ``except IgniteExtError``
-catches anything of this package, and ``except OSError`` still catches a failed download.
+catches anything of this package, ``except OSError`` still catches a failed download, and a loop written for
+torchvision's ``download_url`` (``except (RuntimeError, URLError)``, MNIST's over its mirrors) goes on to its next
+mirror when :func:`ignite_ext.data.download_url` stands in for it.
 
 Importing this module imports nothing heavy (no torch, no numpy).
 
@@ -13,8 +16,8 @@ Importing this module imports nothing heavy (no torch, no numpy).
     ├── RankFailedError (RuntimeError)       another rank's scheduled block failed, or it died
     │   ├── RankDiedError                    this rank was declared dead by its peers
     │   └── StoreLostError                   the scheduler's store stopped answering
-    ├── DownloadError (OSError)              a download failed
-    │   └── ChecksumError                    the bytes had another digest than expected
+    ├── DownloadError (URLError, OSError)    a download failed
+    │   └── ChecksumError (RuntimeError)     the bytes had another digest than expected
     ├── ArchiveError (ValueError)            an archive is unsafe, too large or unsupported
     └── ShmSpaceError (RuntimeError)         /dev/shm cannot hold a cache
 
@@ -30,6 +33,7 @@ Examples:
 from __future__ import annotations
 
 import textwrap
+import urllib.error
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -255,11 +259,13 @@ class CollectiveError(IgniteExtError, RuntimeError):
     """
 
 
-class DownloadError(IgniteExtError, OSError):
+class DownloadError(IgniteExtError, urllib.error.URLError):
     """A download failed: the server refused (404 and other 4xx), or every attempt on every URL failed.
 
-    It is an :class:`OSError`, like the :class:`urllib.error.URLError` it often wraps, so code that already
-    catches I/O errors around a download keeps working.
+    It is a :class:`urllib.error.URLError`, what ``urlopen`` and torchvision's ``download_url`` raise for the same
+    failures, and so an :class:`OSError`: code that already catches either around a download keeps working, and
+    a dataset's loop over its mirrors (torchvision's ``except (RuntimeError, URLError)``) goes on to the next one.
+    Its ``str()`` is the message alone (not ``URLError``'s ``<urlopen error ...>``); ``reason`` is the message too.
 
     Args:
         message: one line naming the URL(s) and what went wrong.
@@ -267,12 +273,18 @@ class DownloadError(IgniteExtError, OSError):
         status: the HTTP status of the last failure, if one.
 
     Examples:
+        >>> from urllib.error import URLError
         >>> from ignite_ext.data import DownloadError
         >>> err = DownloadError("https://example.org/x.bin: HTTP 404 Not Found", status=404)
-        >>> isinstance(err, OSError), err.status
-        (True, 404)
+        >>> isinstance(err, URLError), isinstance(err, OSError), err.status
+        (True, True, 404)
+        >>> print(err)
+        https://example.org/x.bin: HTTP 404 Not Found
 
     .. versionadded:: 0.1.0
+    .. versionchanged:: 0.4.0
+        A :class:`urllib.error.URLError` (it was a plain :class:`OSError`), so that it can stand in for torchvision's
+        errors.
     """
 
     def __init__(self, message: str, *, url: str | None = None, status: int | None = None) -> None:
@@ -280,9 +292,14 @@ class DownloadError(IgniteExtError, OSError):
         self.url = url
         self.status = status
 
+    def __str__(self) -> str:
+        return OSError.__str__(self)  # the message (with "[Errno n]" when one is set), not "<urlopen error ...>"
 
-class ChecksumError(DownloadError):
+
+class ChecksumError(DownloadError, RuntimeError):
     """The downloaded bytes do not have the expected digest; nothing was published.
+
+    Also a :class:`RuntimeError`, what torchvision's ``download_url`` raises for a wrong md5.
 
     Args:
         message: one line naming the URL, the algorithm, the expected and the actual digest.
@@ -294,10 +311,12 @@ class ChecksumError(DownloadError):
     Examples:
         >>> from ignite_ext.data import ChecksumError, DownloadError
         >>> err = ChecksumError("x: sha256 mismatch", algorithm="sha256", expected="ab", actual="cd")
-        >>> isinstance(err, DownloadError), err.expected, err.actual
-        (True, 'ab', 'cd')
+        >>> isinstance(err, DownloadError), isinstance(err, RuntimeError), err.expected, err.actual
+        (True, True, 'ab', 'cd')
 
     .. versionadded:: 0.1.0
+    .. versionchanged:: 0.4.0
+        Also a :class:`RuntimeError`, so that it can stand in for torchvision's error.
     """
 
     def __init__(

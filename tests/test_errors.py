@@ -8,6 +8,7 @@ import importlib
 import pickle
 import pkgutil
 import re
+import urllib.error
 
 import pytest
 
@@ -48,7 +49,9 @@ def test_every_exception_class_of_the_package_derives_from_the_root() -> None:
     ("cls", "base"),
     [
         (DownloadError, OSError),
+        (DownloadError, urllib.error.URLError),  # what torchvision's download_url raises, and its datasets catch
         (ChecksumError, OSError),
+        (ChecksumError, RuntimeError),  # what torchvision raises for a wrong md5
         (ArchiveError, ValueError),
         (RankFailedError, RuntimeError),
         (RankDiedError, RuntimeError),
@@ -140,6 +143,7 @@ def test_a_lost_store_names_no_rank() -> None:
         RankDiedError([RankFailure(1, "RankDiedError", "y", died=True)], "ctx"),
         StoreLostError("gone", "ctx"),
         DownloadError("u: HTTP 404", url="u", status=404),
+        ChecksumError("u: md5 mismatch: expected ab, got cd", algorithm="md5", expected="ab", actual="cd", url="u"),
         ArchiveError("bad"),
         ShmSpaceError("full"),
     ],
@@ -147,3 +151,13 @@ def test_a_lost_store_names_no_rank() -> None:
 def test_errors_cross_process_boundaries(err: Exception) -> None:
     back = pickle.loads(pickle.dumps(err))
     assert type(back) is type(err) and str(back) == str(err)
+
+
+def test_download_errors_say_their_message_alone_and_keep_their_fields_across_processes() -> None:
+    # URLError's own str() is "<urlopen error ...>": the package's errors keep the message as it was.
+    err = ChecksumError("u: md5 mismatch: expected ab, got cd", algorithm="md5", expected="ab", actual="cd", url="u")
+    back = pickle.loads(pickle.dumps(err))
+    assert str(back) == "u: md5 mismatch: expected ab, got cd" == back.reason
+    assert (back.algorithm, back.expected, back.actual, back.url) == ("md5", "ab", "cd", "u")
+    refused = pickle.loads(pickle.dumps(DownloadError("u: HTTP 404 Not Found", url="u", status=404)))
+    assert str(refused) == "u: HTTP 404 Not Found" and (refused.url, refused.status) == ("u", 404)

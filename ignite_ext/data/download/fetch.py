@@ -109,8 +109,11 @@ def download_url(
     digests are remembered, so a verified file is not hashed again on every call. See the module docstring for
     the files involved, and the downloads guide for the guarantees.
 
-    The first four arguments are those of ``torchvision.datasets.utils.download_url``, in its order, so this
-    function can stand in for it.
+    The first four arguments are those of ``torchvision.datasets.utils.download_url``, in its order, and its errors
+    are of the kinds torchvision's callers catch (:class:`DownloadError` is a :class:`urllib.error.URLError`,
+    :class:`ChecksumError` also a :class:`RuntimeError`), so this function can stand in for it: a dataset's loop
+    over its mirrors goes on to the next one. Each failing mirror costs its ``retries`` first (see the downloads
+    guide).
 
     Inside a scheduled block of a multi-rank job (``one_rank_first(local=True)``, ``SharedPath``, any block), the
     processes that fetch the same file into different directories fetch it from the origin once for the job: the
@@ -176,6 +179,9 @@ def download_url(
     .. versionchanged:: 0.3.0
        ``low_speed_limit`` and ``low_speed_time``: a low-speed floor by default. The wait for a lock that another
        user's process holds is bounded. Inside a scheduled block of a job, one fetch from the origin per job.
+    .. versionchanged:: 0.4.0
+       Raises what torchvision's callers catch: ``DownloadError`` is a ``URLError``, ``ChecksumError`` also a
+       ``RuntimeError`` (a torchvision dataset stopped at its first failing mirror).
     """
     urls = [url, *mirrors]
     check_arguments(urls, timeout, retries, deadline, connections, low_speed_limit, low_speed_time)
