@@ -36,6 +36,7 @@ __all__ = [
     "owner_gone",
     "owner_tag",
     "pid_alive",
+    "process_identity",
     "read_json",
     "sidecar_stem",
     "unlink",
@@ -44,6 +45,36 @@ __all__ = [
 
 #: ``host.pid.random`` in a file name: whoever made it, so that a scan can tell whether that writer still lives.
 OWNER = r"(?P<host>[A-Za-z0-9-]+)\.(?P<pid>\d+)\.(?P<rand>[0-9a-f]{8})"
+
+
+def process_identity(pid: int) -> str | None:
+    """What tells process ``pid`` from any other, on any host: boot id, pid namespace, pid, start time.
+
+    None when there is no such process. Two identities name the same live process only if equal: a pid reused
+    after a death has another start time, a pid of another host another boot id (or pid namespace).
+
+    Examples:
+        >>> import os
+        >>> from ignite_ext._fs import process_identity
+        >>> process_identity(os.getpid()) == process_identity(os.getpid()), process_identity(2**22 + 7)
+        (True, None)
+
+    .. versionadded:: 0.3.0
+    .. versionchanged:: 0.4.0
+       Moved here from :mod:`ignite_ext.distributed.liveness.keeper` (which still exports it), for the cache.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+    fields = stat[stat.rindex(b")") + 2 :].split()  # the command name may hold spaces and parentheses
+    if fields[0] in (b"Z", b"X"):
+        return None
+    return f"{boot}|{namespace}|{pid}|{int(fields[19])}"
 
 
 def pid_alive(pid: int) -> bool:

@@ -129,13 +129,8 @@ def test_a_restarted_worker_group_reads_nothing_from_storage_in_its_first_epoch(
     assert _arenas(tmp_path) == [] and not os.path.exists(ram_path)  # the restarted job ended normally: gone
 
 
-# One attempt of a one-rank job (rank scope): samples 0-2 stored (0 and 1 in RAM, 2 on disk), then, with "die",
-# SIGKILLed by itself while storing sample 3 on disk: after writing its bytes, before publishing them. Prints what
-# it loaded (and, dying, its RAM tier's file; living, its stats: hits, misses, entries, disk entries).
-ATTEMPT = """
-import os, signal, sys
-from ignite_ext.data import CachedDataset
-
+# The dataset of a one-rank job's script: 8 samples of 5000 bytes; ``loaded`` lists what it read.
+SOURCE = """
 loaded = []
 
 class Source:
@@ -144,7 +139,17 @@ class Source:
     def __getitem__(self, i):
         loaded.append(i)
         return bytes([65 + i]) * 5000
-
+"""
+# One attempt of a one-rank job (rank scope): samples 0-2 stored (0 and 1 in RAM, 2 on disk), then, with "die",
+# SIGKILLed by itself while storing sample 3 on disk: after writing its bytes, before publishing them. Prints what
+# it loaded (and, dying, its RAM tier's file; living, its stats: hits, misses, entries, disk entries).
+ATTEMPT = (
+    """
+import os, signal, sys
+from ignite_ext.data import CachedDataset
+"""
+    + SOURCE
+    + """
 class Dies(CachedDataset):
     def _before_publish(self, index):
         if index == 3 and sys.argv[2] == "die":
@@ -157,11 +162,16 @@ assert got == [bytes([65 + i]) * 5000 for i in range(4)]
 st = ds.stats()
 print("loaded", loaded, st.hits, st.misses, st.entries, st.disk_entries, flush=True)
 """
+)
 
 
-def _run_attempt(disk_dir: Path, env: dict[str, str], die: bool) -> tuple[int, str]:
+# An agent of its own between the test and a job (which is the agent otherwise): it ends when its worker has.
+AGENT = [sys.executable, "-c", "import subprocess, sys; sys.exit(subprocess.call(sys.argv[1:]))"]
+
+
+def _run_attempt(disk_dir: Path, env: dict[str, str], die: bool, agent: list[str] | None = None) -> tuple[int, str]:
     proc = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(ATTEMPT), str(disk_dir), "die" if die else "live"],
+        [*(agent or []), sys.executable, "-c", textwrap.dedent(ATTEMPT), str(disk_dir), "die" if die else "live"],
         cwd=ROOT,
         env={**os.environ, **env},
         stdout=subprocess.PIPE,
@@ -194,14 +204,13 @@ def test_an_entry_written_at_the_crash_is_never_served_after_the_restart(tmp_pat
 
 def test_another_job_adopts_nothing_and_sweeps_what_a_dead_job_left(tmp_path: Path) -> None:
     job = {"TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_RESTART_COUNT": "0"}  # torchrun's default run id
-    code, _ = _run_attempt(tmp_path, job, die=True)
-    assert code == -signal.SIGKILL
+    code, _ = _run_attempt(tmp_path, job, die=True, agent=AGENT)  # its agent ends with it: the job is over
+    assert code != 0
     left = _arenas(tmp_path)
     assert len(left) == 2
-    # The same run id from another agent (a process of its own between the test and the job): another job.
-    agent = [sys.executable, "-c", "import subprocess, sys; sys.exit(subprocess.call(sys.argv[1:]))"]
+    # The same run id from another agent: another job.
     proc = subprocess.run(
-        [*agent, sys.executable, "-c", textwrap.dedent(ATTEMPT), str(tmp_path), "live"],
+        [*AGENT, sys.executable, "-c", textwrap.dedent(ATTEMPT), str(tmp_path), "live"],
         cwd=ROOT,
         env={**os.environ, **job},
         capture_output=True,
@@ -210,6 +219,33 @@ def test_another_job_adopts_nothing_and_sweeps_what_a_dead_job_left(tmp_path: Pa
     )
     assert proc.returncode == 0 and proc.stdout.strip() == "loaded [0, 1, 2, 3] 0 4 4 2", proc.stderr
     assert _arenas(tmp_path) == []  # the dead job's files swept, the new job's deleted at its end
+
+
+def test_another_jobs_cache_spares_the_files_of_a_job_whose_agent_lives(tmp_path: Path) -> None:
+    job = {"TORCHELASTIC_RUN_ID": f"restart-{uuid.uuid4().hex}", "TORCHELASTIC_RESTART_COUNT": "0"}
+    code, line = _run_attempt(tmp_path, job, die=True)  # its agent (the test) lives on, as before a restart
+    assert code == -signal.SIGKILL
+    ram, left = line.split()[-1], _arenas(tmp_path)
+    assert len(left) == 2 and os.path.exists(ram)
+    # Before the agent restarts the group, other jobs of the user create caches in the same directories: one
+    # outside any elastic group, one under an agent of its own (torchrun's default run id).
+    plain = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
+    elastic = {**os.environ, "TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_RESTART_COUNT": "0"}
+    for agent, env in (([], plain), (AGENT, elastic)):
+        proc = subprocess.run(
+            [*agent, sys.executable, "-c", textwrap.dedent(ATTEMPT), str(tmp_path), "live"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=STEP_TIMEOUT_S,
+        )
+        assert proc.returncode == 0 and proc.stdout.strip() == "loaded [0, 1, 2, 3] 0 4 4 2", proc.stderr
+        assert _arenas(tmp_path) == left and os.path.exists(ram)  # their sweeps spared the live agent's job
+    assert shm.sweep_stale(str(tmp_path)) == []  # so does a sweep on demand
+    code, line = _run_attempt(tmp_path, {**job, "TORCHELASTIC_RESTART_COUNT": "1"}, die=False)
+    assert code == 0 and line == "loaded [3] 3 1 4 2", line  # adopted: only the unpublished sample 3 is loaded
+    assert _arenas(tmp_path) == [] and not os.path.exists(ram)
 
 
 def test_no_job_outside_an_elastic_worker_and_arenas_are_stamped_with_theirs(

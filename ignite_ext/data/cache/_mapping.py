@@ -21,6 +21,8 @@ __all__ = [
     "ENTRY_WORDS",
     "HEADER_BYTES",
     "HITS",
+    "H_AGENT",
+    "H_AGENT_ID",
     "H_CAPACITY",
     "H_DATA",
     "H_FULL",
@@ -57,8 +59,12 @@ HEADER_BYTES = 4096
 ALIGN = 64
 
 # Header words. H_JOB and H_KEY stamp the job and the cache that created the arena (see .restart); arenas of
-# version 1 written before them hold 0 there, which no job is.
+# version 1 written before them hold 0 there, which no job is. H_AGENT and H_AGENT_ID stamp the job's agent (pid,
+# identity digest) so that any sweep spares a live agent's arenas; written before them they are 0, which no agent
+# is, so such an arena is swept as before: an additive change that needs no new VERSION (which would make every
+# persisted cache unusable).
 H_MAGIC, H_VERSION, H_N, H_CAPACITY, H_TABLE, H_STATS, H_DATA, H_USED, H_ROWS, H_FULL, H_JOB, H_KEY = range(12)
+H_AGENT, H_AGENT_ID = 12, 13
 # Index table: three words per dataset index.
 ENTRY_WORDS = 3
 EMPTY, READY = 0, 1

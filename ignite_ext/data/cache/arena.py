@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from ignite_ext._fs import own_regular_file, pid_alive
-from ignite_ext.data.cache import shm
+from ignite_ext.data.cache import _sigterm, shm
 from ignite_ext.data.cache._cow import PAGE, CowMap
 from ignite_ext.data.cache._mapping import (
     ALIGN,
@@ -44,6 +44,8 @@ from ignite_ext.data.cache._mapping import (
     EMPTY,
     ENTRIES,
     ENTRY_WORDS,
+    H_AGENT,
+    H_AGENT_ID,
     H_CAPACITY,
     H_DATA,
     H_FULL,
@@ -73,7 +75,7 @@ from ignite_ext.data.cache._mapping import (
     open_local,
     origin_of,
 )
-from ignite_ext.data.cache.restart import NO_JOB
+from ignite_ext.data.cache.restart import NO_JOB, agent_stamp
 from ignite_ext.data.cache.shm import MIN_CAPACITY, SHM_DIR, remove_files
 from ignite_ext.errors import ShmSpaceError
 
@@ -111,7 +113,9 @@ def _finalize(path: str, creator: int, liveness_fd: int, keep: bool) -> None:
     # Forked children inherit the finalizer registry: only the creating process may delete the files.
     if os.getpid() != creator:
         return
-    if not keep:  # a persisted cache outlives its job (see .persist)
+    # A persisted cache outlives its job (see .persist); a worker SIGTERMed by its live agent leaves its arenas to
+    # the restarted group, as a SIGKILLed one does.
+    if not keep and not (_sigterm.terminating() and shm.agent_lives(path)):
         remove_files([path, path[: -len(".arena")] + ".lock"])
     with contextlib.suppress(OSError):
         os.close(liveness_fd)
@@ -199,7 +203,7 @@ class Arena:
             if sweep and job != NO_JOB and (adopted := cls._adopt(directory, n, rows, job, key)) is not None:
                 return adopted
             if sweep:
-                shm.sweep_stale(directory, keep=lambda path: _stamps(path)[0] == job != NO_JOB)
+                shm.sweep_stale(directory)
             return cls._create_locked(n, capacity, rows, directory, share, knob, advice, job, key)
 
     @classmethod
@@ -236,6 +240,7 @@ class Arena:
             )
         keep = stem is not None
         stem = stem if stem is not None else shm.arena_stem(directory)
+        agent = agent_stamp() if job not in (NO_JOB, PERSISTED) else (0, 0)
         path = stem + ".arena"
         os.close(os.open(stem + ".lock", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
         arena_fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -254,6 +259,8 @@ class Arena:
                 (H_ROWS, rows),
                 (H_JOB, job),
                 (H_KEY, key),
+                (H_AGENT, agent[0]),
+                (H_AGENT_ID, agent[1]),
                 (H_VERSION, VERSION),
                 (H_MAGIC, MAGIC),  # last: an attacher checks it
             ):
@@ -346,6 +353,8 @@ class Arena:
         fcntl.flock(liveness_fd, fcntl.LOCK_SH)
         self = cls(path)
         self._finalizer = weakref.finalize(self, _finalize, path, os.getpid(), liveness_fd, keep)
+        if not keep:
+            _sigterm.register(self._finalizer)
         return self
 
     @classmethod

@@ -7,9 +7,10 @@ when it is created with two header words, and a cache of the restarted group ado
 before whose stamps are its own:
 
 * the *job* (:func:`job_key`): set only in an elastic worker (``TORCHELASTIC_RUN_ID`` in the environment, as
-  torchrun sets it), from the run id, this host's boot, and the agent that started this process (its parent:
-  pid and start time). A restarted group has the same agent; a later job has another one, even with the same run
-  id (torchrun's default ``rdzv_id`` is ``none`` for every job), so it adopts nothing of an earlier job;
+  torchrun sets it), from the run id and the agent that started this process (its parent: its
+  :func:`~ignite_ext._fs.process_identity`, which holds this host's boot, the pid and its start time). A restarted
+  group has the same agent; a later job has another one, even with the same run id (torchrun's default ``rdzv_id``
+  is ``none`` for every job), so it adopts nothing of an earlier job;
 * the *cache* (:func:`cache_key`): its name, its construction site (unless ``name=`` was given), its length, its
   number of counter rows, the sampled fingerprint of a node cache, the local rank for a rank's own cache, and the
   tier. Within a job the code is the same, so each cache of the attempt before has exactly one successor.
@@ -19,20 +20,29 @@ renamed to the adopter's names (an arena the adopter's sweep must not take for s
 (:meth:`Arena.consistent <ignite_ext.data.cache.arena.Arena.consistent>`: the layout of its header, and every
 published entry inside the used part of the data area); its hit and miss counters start again at zero, its entries
 and bytes stay. What a writer had not published when it was killed stays unpublished, so no reader ever sees it.
-An arena that fails a check is deleted and the cache starts empty. Arenas of the same job that no cache adopts
-(yet) are left to their successors by every sweep while the job's agent lives: never more than the attempt before
-held; the first cache created after the job ended sweeps them.
+An arena that fails a check is deleted and the cache starts empty.
+
+An elastic worker's arenas are also stamped with its *agent* (:func:`agent_stamp`: its pid and a digest of its
+:func:`~ignite_ext._fs.process_identity`, two more header words). Arenas that no cache adopts (yet) are left to their
+successors by every sweep while their job's agent lives (:func:`agent_lives`), whoever sweeps: a cache of the same
+job, of another job of the user, or :func:`~ignite_ext.data.cache.shm.sweep_stale` on demand. They never hold more
+than the attempt before held; the first cache created after the agent ended sweeps them. A rank that torchrun's agent
+SIGTERMs leaves its arenas for the restart in the same way, while that agent lives (a rank SIGTERMed outside an
+elastic worker deletes them, as at a normal exit).
 
 .. versionadded:: 0.3.0
+.. versionchanged:: 0.4.0
+   The agent's stamp: a sweep by another job spares the arenas of a job whose agent lives.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 
-__all__ = ["NO_JOB", "cache_key", "job_key"]
+from ignite_ext._fs import process_identity
+
+__all__ = ["NO_JOB", "agent_lives", "agent_stamp", "cache_key", "job_key"]
 
 #: Stamped where no job is known (not an elastic worker): never adopted, swept as soon as its creator is gone.
 NO_JOB = 0
@@ -42,15 +52,6 @@ def _digest(text: str) -> int:
     """A non-zero 63-bit digest of ``text`` (a header word that :data:`NO_JOB` cannot be)."""
     value = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
     return value or 1
-
-
-def _start_time(pid: int) -> str | None:
-    """The start time of process ``pid`` (clock ticks since boot, field 22 of ``/proc/<pid>/stat``), or None."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[19].decode()
-    except (OSError, IndexError):
-        return None
 
 
 def job_key() -> int:
@@ -70,16 +71,63 @@ def job_key() -> int:
     .. versionadded:: 0.3.0
     """
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    if not run_id:
+    identity = _agent_identity()
+    if not run_id or identity is None:  # nothing tells this job's agent from a later one's: adopt nothing
         return NO_JOB
-    agent = os.getppid()
-    started = _start_time(agent)
-    boot = ""
-    with contextlib.suppress(OSError), open("/proc/sys/kernel/random/boot_id") as f:
-        boot = f.read().strip()
-    if started is None or not boot:  # nothing tells this job's agent from a later one's: adopt nothing
-        return NO_JOB
-    return _digest(f"job|{boot}|{agent}|{started}|{run_id}")
+    return _digest(f"job|{identity}|{run_id}")
+
+
+def _agent_identity() -> str | None:
+    """The :func:`~ignite_ext._fs.process_identity` of this elastic worker's agent (its parent), else None."""
+    if not os.environ.get("TORCHELASTIC_RUN_ID"):
+        return None
+    return process_identity(os.getppid())
+
+
+def agent_stamp() -> tuple[int, int]:
+    """The agent that this process's arenas are stamped with: its pid and a digest of its identity.
+
+    Zeros outside an elastic worker, or where the agent cannot be identified.
+
+    Examples:
+        >>> import os
+        >>> from ignite_ext.data.cache.restart import agent_lives, agent_stamp
+        >>> os.environ.pop("TORCHELASTIC_RUN_ID", None) and None
+        >>> agent_stamp()
+        (0, 0)
+        >>> os.environ["TORCHELASTIC_RUN_ID"] = "run-1"
+        >>> pid, digest = agent_stamp()
+        >>> pid == os.getppid(), agent_lives(pid, digest)
+        (True, True)
+        >>> del os.environ["TORCHELASTIC_RUN_ID"]
+
+    .. versionadded:: 0.4.0
+    """
+    identity = _agent_identity()
+    if identity is None:
+        return (0, 0)
+    return (os.getppid(), _digest(f"agent|{identity}"))
+
+
+def agent_lives(pid: int, digest: int) -> bool:
+    """Whether the agent stamped as ``pid`` and ``digest`` (:func:`agent_stamp`) still runs on this host.
+
+    The same pid is not enough: a pid reused after the agent's death has another start time, hence another digest.
+    An arena of another pid namespace or boot, or stamped with no agent (zeros: outside an elastic worker, or by a
+    version before 0.4.0), has no living agent here.
+
+    Examples:
+        >>> import os
+        >>> from ignite_ext.data.cache.restart import agent_lives
+        >>> agent_lives(0, 0), agent_lives(os.getpid(), 12345)
+        (False, False)
+
+    .. versionadded:: 0.4.0
+    """
+    if pid <= 0:
+        return False
+    identity = process_identity(pid)
+    return identity is not None and _digest(f"agent|{identity}") == digest
 
 
 def cache_key(*parts: object) -> int:

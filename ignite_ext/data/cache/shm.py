@@ -2,7 +2,8 @@
 
 Arenas are named ``ignite_ext_<uid>_<pid>_cache_<random>.arena`` (with a ``.lock`` beside), ``<uid>`` and ``<pid>``
 being the user and the process that created the cache: with the liveness ``flock`` that process holds on it, that
-is how :func:`sweep_stale` tells an arena left by a killed run from one in use.
+is how :func:`sweep_stale` tells an arena left by a killed run from one in use. An arena left by an elastic worker
+waits for its restarted group while the job's agent lives (:func:`agent_lives`): no sweep takes it.
 
 The directory is shared with other users (``/dev/shm`` is world-writable), so everything here considers only the
 caller's own files: named with its user id *and* owned by it (a regular file, not a link), since anyone can
@@ -29,6 +30,8 @@ import stat
 from collections.abc import Callable, Iterable, Iterator
 
 from ignite_ext._fs import pid_alive
+from ignite_ext.data.cache import restart
+from ignite_ext.data.cache._mapping import H_AGENT, H_AGENT_ID, H_MAGIC, H_VERSION, MAGIC, VERSION
 from ignite_ext.errors import ShmSpaceError
 
 __all__ = [
@@ -37,6 +40,7 @@ __all__ = [
     "NAME_RE",
     "SHM_DIR",
     "ShmSpaceError",
+    "agent_lives",
     "arena_stem",
     "available_bytes",
     "directory_lock",
@@ -205,14 +209,33 @@ def header_words(path: str, count: int) -> tuple[int, ...] | None:
     return tuple(int.from_bytes(raw[8 * i : 8 * i + 8], "little") for i in range(count))
 
 
+def agent_lives(path: str) -> bool:
+    """Whether this user's arena ``path`` is stamped with an elastic job's agent that still runs on this host.
+
+    Such an arena waits for the job's restarted worker group to adopt it (see :mod:`~ignite_ext.data.cache.restart`:
+    the agent's pid and a digest of its identity, so a reused pid is not the agent).
+
+    Examples:
+        >>> from ignite_ext.data.cache.shm import agent_lives
+        >>> agent_lives("/nonexistent.arena")
+        False
+
+    .. versionadded:: 0.4.0
+    """
+    words = header_words(path, H_AGENT_ID + 1)
+    if words is None or words[H_MAGIC] != MAGIC or words[H_VERSION] != VERSION:
+        return False
+    return restart.agent_lives(words[H_AGENT], words[H_AGENT_ID])
+
+
 def sweep_stale(directory: str = SHM_DIR, keep: Callable[[str], bool] | None = None) -> list[str]:
     """Delete this user's arenas (and lock files) of caches whose creating process is gone; return the removed paths.
 
     An arena is only removed when both its creator pid is dead and nobody holds its liveness lock, so an arena
     of a live process (also one in another pid namespace sharing this tmpfs) is never touched. Only the caller's
     own files are considered (see the module docstring); one that cannot be opened or deleted is skipped. An arena
-    for which ``keep(path)`` is true is left too (the job's own, for its successor: see
-    :mod:`~ignite_ext.data.cache.restart`).
+    whose elastic job's agent lives (:func:`agent_lives`) is left for that job's restarted group, whichever job
+    sweeps; so is one for which ``keep(path)`` is true.
 
     Examples:
         >>> from ignite_ext.data.cache.shm import sweep_stale
@@ -222,10 +245,12 @@ def sweep_stale(directory: str = SHM_DIR, keep: Callable[[str], bool] | None = N
     .. versionadded:: 0.1.0
     .. versionchanged:: 0.3.0
        ``keep``.
+    .. versionchanged:: 0.4.0
+       The arenas of every job whose agent lives are left, not only the sweeping job's own.
     """
     removed: list[str] = []
     for path in stale_arenas(directory):
-        if keep is None or not keep(path):
+        if not agent_lives(path) and (keep is None or not keep(path)):
             removed += remove_files([path, path[: -len(".arena")] + ".lock"])
     me = os.getpid()
     for name, match, _ in _own_files(directory):

@@ -51,6 +51,7 @@ SETTLE = 0.1
 READY = b"ready\n"
 
 if TYPE_CHECKING or __package__:
+    from ignite_ext._fs import process_identity
     from ignite_ext.distributed.store.codecs import cut_ranks, encode_cut
     from ignite_ext.distributed.store.keys import CUTS_KEY, cut_key, heartbeat_key, proc_key
     from ignite_ext.distributed.store.wire import WireStore
@@ -68,34 +69,13 @@ else:  # run by its path with -I -S, without the package on sys.path: the store 
     WireStore = _by_path("wire").WireStore
     CUTS_KEY, cut_key, heartbeat_key, proc_key = _keys.CUTS_KEY, _keys.cut_key, _keys.heartbeat_key, _keys.proc_key
     cut_ranks, encode_cut = _codecs.cut_ranks, _codecs.encode_cut
-
-
-def process_identity(pid: int) -> str | None:
-    """What tells process ``pid`` from any other, on any host: boot id, pid namespace, pid, start time.
-
-    None when there is no such process. Two identities name the same live process only if equal: a pid reused
-    after a death has another start time, a pid of another host another boot id (or pid namespace).
-
-    Examples:
-        >>> import os
-        >>> from ignite_ext.distributed.liveness.keeper import process_identity
-        >>> process_identity(os.getpid()) == process_identity(os.getpid()), process_identity(2**22 + 7)
-        (True, None)
-
-    .. versionadded:: 0.3.0
-    """
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-        namespace = os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return None
-    fields = stat[stat.rindex(b")") + 2 :].split()  # the command name may hold spaces and parentheses
-    if fields[0] in (b"Z", b"X"):
-        return None
-    return f"{boot}|{namespace}|{pid}|{int(fields[19])}"
+    _fs_spec = importlib.util.spec_from_file_location(
+        "_ignite_ext_fs",
+        os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "_fs.py"),
+    )
+    _fs = importlib.util.module_from_spec(_fs_spec)
+    _fs_spec.loader.exec_module(_fs)
+    process_identity = _fs.process_identity
 
 
 def running(pid: int) -> bool:

@@ -1,0 +1,101 @@
+"""A cache's files deleted on ``SIGTERM`` as at a normal exit: what launchers send the other ranks when one fails.
+
+Python's default action for ``SIGTERM`` ends the process at once, running neither ``atexit`` nor finalizers, so the
+arenas of a rank that ``idist.Parallel`` or torchrun terminated stayed in ``/dev/shm`` until a later sweep. The
+first arena a process creates installs :func:`_on_sigterm`, only in the main thread of a process that is not a
+DataLoader worker (and never over an ignored ``SIGTERM``, nor over a handler set outside Python). On ``SIGTERM``:
+
+* with Python's default action before it: the process's own arenas are deleted (their finalizers run), the default
+  action is restored and the signal delivered again, so the process dies of ``SIGTERM`` with its exit status;
+* with a handler of the program's before it: that handler runs; the arenas go when the process exits as that
+  handler decides (a ``sys.exit`` runs the finalizers), as at any normal exit.
+
+Either way, an elastic worker's arenas are kept while the agent that SIGTERMed it lives: the restarted group adopts
+them (see :mod:`~ignite_ext.data.cache.restart`). Processes forked afterwards (DataLoader workers) get the handler
+before it back. A handler runs when the main thread next runs Python code: a main thread blocked in native code (a
+collective whose peer died) runs it only when that call returns, and a launcher's ``SIGKILL`` after its grace period
+leaves the files to the next sweep, as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import weakref
+from types import FrameType
+from typing import Any
+
+__all__ = ["install", "register", "terminating"]
+
+_Handler = Any  # what signal.getsignal returns: a callable, SIG_DFL, SIG_IGN or None
+
+#: The process that installed the handler (a forked child inherits it, not the arenas to delete).
+_owner = 0
+#: The handler that was there before ours, to chain to.
+_previous: _Handler = signal.SIG_DFL
+#: Whether this process has received SIGTERM (then a live agent's arenas are kept at exit).
+_signalled = False
+#: The finalizers of the arenas this process created and deletes at exit (a finalizer is dead once it has run).
+_finalizers: list[weakref.finalize[Any, Any]] = []
+
+
+def terminating() -> bool:
+    """Whether this process has received ``SIGTERM`` through the cache's handler."""
+    return _signalled and _owner == os.getpid()
+
+
+def register(finalizer: weakref.finalize[Any, Any]) -> None:
+    """Run ``finalizer`` (an arena's deletion at exit) when this process is SIGTERMed, and install the handler."""
+    _finalizers[:] = [f for f in _finalizers if f.alive]
+    _finalizers.append(finalizer)
+    install()
+
+
+def _in_dataloader_worker() -> bool:
+    data = sys.modules.get("torch.utils.data")  # never imported here: a process without torch has no workers
+    return data is not None and data.get_worker_info() is not None
+
+
+def install() -> None:
+    """Install the cache's ``SIGTERM`` handler in this process, where allowed (see the module docstring); idempotent."""
+    global _owner, _previous
+    if _owner == os.getpid():
+        return
+    if threading.current_thread() is not threading.main_thread() or _in_dataloader_worker():
+        return
+    current = signal.getsignal(signal.SIGTERM)
+    if current is _on_sigterm:  # forked from a process that had it, keeping _previous: this process's own now
+        _owner = os.getpid()
+        return
+    if current is None or current == signal.SIG_IGN:
+        return
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    _previous, _owner = current, os.getpid()
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    global _signalled
+    mine = _owner == os.getpid()
+    if mine:
+        _signalled = True
+    if callable(_previous):
+        _previous(signum, frame)  # the program's own shutdown; the finalizers run at its exit
+        return
+    if mine:
+        for finalizer in list(_finalizers):
+            finalizer()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _restore_in_child() -> None:
+    """After a fork: the child (a DataLoader worker, most often) gets the handler that was there before ours."""
+    if _owner and signal.getsignal(signal.SIGTERM) is _on_sigterm:
+        with contextlib.suppress(ValueError):  # not the main thread: Python forbids it (never seen after a fork)
+            signal.signal(signal.SIGTERM, _previous)
+
+
+os.register_at_fork(after_in_child=_restore_in_child)
