@@ -31,7 +31,8 @@ setup(
         # What scripts/compat.sh ran green (docs/backends.rst, "Versions"): torch 2.1.2-2.14.1, ignite 0.5.1-0.5.5.
         "torch>=2.1,<2.15",
         "pytorch-ignite>=0.5.1,<0.6",
-        "filelock>=3.20.3",
+        # The download lock where fcntl is missing; elsewhere it is the package's own record lock (ignite_ext._locks).
+        'filelock>=3.20.3; sys_platform == "win32"',
         "tqdm>=4.60",
         "numpy>=1.26",
     ],

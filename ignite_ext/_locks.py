@@ -390,10 +390,11 @@ def exclusive(
     """Hold the lock on ``lock_path`` if the filesystem allows; yield whether this process had to wait for it.
 
     A waiting process says on ``logger`` (INFO) whom it waits for (the holder's host and pid, when the holder
-    wrote them, else its pid, user and command) at once and every :data:`WAIT_LOG_INTERVAL_S` seconds, and when it
-    takes over. It waits as long as a process of its own user holds the lock, or one this host cannot see (on
-    another NFS client), but gives up after ``patience_s`` on another user's process (:meth:`RecordLock.wait`). A
-    filesystem that cannot lock costs duplicate work, never an error: callers must be correct without the lock.
+    wrote them, else its pid, user and command) at once and every :data:`WAIT_LOG_INTERVAL_S` seconds; what it
+    finds once the lock is free is the caller's to say (``waited`` tells it that it waited). It waits as long as
+    a process of its own user holds the lock, or one this host cannot see (on another NFS client), but gives up
+    after ``patience_s`` on another user's process (:meth:`RecordLock.wait`). A filesystem that cannot lock costs
+    duplicate work, never an error: callers must be correct without the lock.
 
     Args:
         lock_path: the lock file (created if missing, left in place).
@@ -416,6 +417,8 @@ def exclusive(
     .. versionadded:: 0.2.0
     .. versionchanged:: 0.3.0
        ``patience_s``.
+    .. versionchanged:: 0.4.0
+       No line when the lock comes free ("took over" was untrue when the holder had done the work).
     """
     lock = lock_factory(str(lock_path))
     held = waited = False
@@ -438,7 +441,6 @@ def exclusive(
             else:  # a lock of another kind (tests replace the factory)
                 say(None)
                 lock.acquire()
-            logger.info("took over: %s is free", lock_path.name)
         held = True
     except LockWaitExpired as exc:
         elapsed = time.monotonic() - started

@@ -1,14 +1,18 @@
 """One error root: every error of the package derives from IgniteExtError, keeps its stdlib base, and every error a
-docstring says is raised can be imported from a public module."""
+docstring says is raised can be imported from a public module; the exception classes outside errors.py are private
+and either internal signals the package catches or refinements users meet as a public error
+(docs/architecture.rst, "Errors")."""
 
 from __future__ import annotations
 
+import ast
 import builtins
 import importlib
 import pickle
 import pkgutil
 import re
 import urllib.error
+from pathlib import Path
 
 import pytest
 
@@ -28,6 +32,25 @@ from ignite_ext.errors import (
     StoreLostError,
 )
 
+PACKAGE = Path(ignite_ext.__file__).parent
+# Raised and caught inside the package (a retry, a fallback to the origin, a refused relay); a user never meets one.
+INTERNAL = {
+    "ignite_ext.data.download._http.FatalHTTPError",
+    "ignite_ext.data.download._http.LengthConflict",
+    "ignite_ext.data.download._http.RangeMismatch",
+    "ignite_ext.data.download._http.RetryableError",
+    "ignite_ext.data.download._http.TooSlow",
+    "ignite_ext.data.download._relay_client.RelayGone",
+    "ignite_ext.data.download._relay_wire.RelayRefused",
+    "ignite_ext.data.download._urls.RedirectRefused",
+}
+# What the package itself tells apart among errors users meet, and catch, as the public class given.
+REFINEMENTS = {
+    "ignite_ext._locks.LockWaitExpired": DownloadError,
+    "ignite_ext.data.download._job.DeadlinePassed": DownloadError,
+    "ignite_ext.data.download._job.NoSpace": DownloadError,
+}
+
 
 def _modules() -> list[object]:
     names = [m.name for m in pkgutil.walk_packages(ignite_ext.__path__, "ignite_ext.")]
@@ -43,6 +66,85 @@ def test_every_exception_class_of_the_package_derives_from_the_root() -> None:
                 found.add(value)
     assert {ArchiveError, ChecksumError, DownloadError, RankDiedError, StoreLostError, ShmSpaceError} <= found
     assert [cls.__qualname__ for cls in found if not issubclass(cls, IgniteExtError)] == []
+
+
+def _module_name(path: Path) -> str:
+    return ".".join(("ignite_ext", *path.relative_to(PACKAGE).with_suffix("").parts)).removesuffix(".__init__")
+
+
+def _is_private(module: str) -> bool:
+    return any(part.startswith("_") and part != "__init__" for part in module.split(".")[1:])
+
+
+def _exception_classes() -> dict[str, type[BaseException]]:
+    """Every exception class (warnings aside) defined in the package's source, by qualified name."""
+    found: dict[str, type[BaseException]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = _module_name(path)
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        top = {node.name for node in tree.body if isinstance(node, ast.ClassDef)}
+        nested = [n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name not in top]
+        # A class made inside a function is found by no import: there should be none that is an exception.
+        assert not [n for n in nested if re.search(r"Error|Exception|Refused|Gone|Expired", n)], (name, nested)
+        if not top or name.endswith("__main__"):
+            continue
+        module = importlib.import_module(name)
+        for cls_name in top:
+            value = getattr(module, cls_name)
+            if issubclass(value, BaseException) and not issubclass(value, Warning):
+                found[f"{name}.{cls_name}"] = value
+    return found
+
+
+def test_exception_classes_outside_errors_py_are_private_and_either_internal_or_refinements() -> None:
+    found = _exception_classes()
+    outside = {name for name in found if not name.startswith("ignite_ext.errors.")}
+    # A new exception class outside errors.py must be classified here (and in docs/architecture.rst's rule).
+    assert outside == INTERNAL | set(REFINEMENTS), sorted(outside ^ (INTERNAL | set(REFINEMENTS)))
+    assert [name for name in outside if not _is_private(name.rsplit(".", 1)[0])] == []
+    public_errors = {getattr(errors, n) for n in errors.__all__} - {IgniteExtError}
+    for name in INTERNAL:  # no user-facing error's except clause catches a signal by accident
+        assert issubclass(found[name], IgniteExtError) and not set(found[name].__mro__) & public_errors, name
+    for name, base in REFINEMENTS.items():
+        assert base.__module__ == "ignite_ext.errors" and issubclass(found[name], base), name
+
+
+def test_no_public_module_exports_a_private_exception_class() -> None:
+    exported = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = _module_name(path)
+        if _is_private(name) or name.endswith("__main__") or name == "ignite_ext.errors":
+            continue
+        module = importlib.import_module(name)
+        for each in getattr(module, "__all__", ()):
+            value = getattr(module, each)
+            error = isinstance(value, type) and issubclass(value, BaseException) and not issubclass(value, Warning)
+            if error and value.__module__ != "ignite_ext.errors":
+                exported.append(f"{name}.{each}")
+    assert exported == []
+
+
+def _caught_names() -> set[str]:
+    """The names in every ``except`` clause of the package."""
+    names: set[str] = set()
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ExceptHandler) and node.type is not None:
+                for part in ast.walk(node.type):
+                    if isinstance(part, ast.Name):
+                        names.add(part.id)
+                    elif isinstance(part, ast.Attribute):
+                        names.add(part.attr)
+    return names
+
+
+def test_every_internal_signal_is_caught_inside_the_package() -> None:
+    # By its own name or a private base's: what the package raises to itself, it handles.
+    caught = _caught_names()
+    found = _exception_classes()
+    for name in INTERNAL:
+        own = [c.__name__ for c in found[name].__mro__ if c.__module__.startswith("ignite_ext.data")]
+        assert set(own) & caught, f"{name}: no except clause of the package names it or {own[1:]}"
 
 
 @pytest.mark.parametrize(

@@ -6,14 +6,18 @@ its source without extras, so anything the code imports at run time but ``setup.
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import shutil
 import subprocess
+import sys
+import textwrap
 import venv
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
 import ignite_ext
 
@@ -91,6 +95,55 @@ def test_plain_install_without_extras_uses_every_capability(tmp_path: Path) -> N
     assert Path(where.strip()).is_relative_to(env_dir), f"imported from {where}, not from the fresh environment"
     done = run(str(python), "-c", USE_EVERYTHING, timeout=300)
     assert done.stdout.strip().endswith("every capability works"), done.stdout
+
+
+def _install_requires() -> list[Requirement]:
+    """``setup.py``'s ``install_requires``, read from its source (running it would need a build backend)."""
+    for node in ast.walk(ast.parse((ROOT / "setup.py").read_text(encoding="utf-8"))):
+        if isinstance(node, ast.keyword) and node.arg == "install_requires":
+            return [Requirement(text) for text in ast.literal_eval(node.value)]
+    raise AssertionError("setup.py has no install_requires")
+
+
+def test_filelock_is_a_dependency_on_windows_only() -> None:
+    # Elsewhere the download lock is the package's own fcntl record lock: filelock is not installed for it.
+    [filelock] = [r for r in _install_requires() if r.name == "filelock"]
+    assert filelock.marker is not None, str(filelock)
+    assert filelock.marker.evaluate({"sys_platform": "win32"})
+    assert not filelock.marker.evaluate({"sys_platform": "linux"})
+    assert not filelock.marker.evaluate({"sys_platform": "darwin"})
+
+
+# Downloads, extraction and their lock where filelock cannot be imported (not installed: Linux without the extra).
+WITHOUT_FILELOCK = textwrap.dedent(
+    """
+    import hashlib, sys, tarfile, tempfile
+    from pathlib import Path
+    sys.modules["filelock"] = None  # import filelock raises ImportError
+    from ignite_ext._locks import RecordLock
+    from ignite_ext.data import download_url
+    with tempfile.TemporaryDirectory() as tmp:
+        source = Path(tmp, "a.txt")
+        source.write_text("a")
+        with tarfile.open(Path(tmp, "a.tar"), "w") as tar:
+            tar.add(source, "a.txt")
+        digest = hashlib.sha256(Path(tmp, "a.tar").read_bytes()).hexdigest()
+        out = download_url(Path(tmp, "a.tar").as_uri(), Path(tmp, "data"), sha256=digest, extract=True)
+        assert Path(out, "a.txt").read_text() == "a"
+        lock = RecordLock(str(Path(tmp, ".x.lock")))
+        assert lock.acquire() and not RecordLock(str(Path(tmp, ".x.lock"))).acquire(blocking=False)
+        lock.release()
+    print("works without filelock")
+    """
+)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="filelock is the lock there")
+def test_downloads_work_where_filelock_is_not_installed() -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-c", WITHOUT_FILELOCK]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "works without filelock", done.stderr
 
 
 def _release(version: str) -> tuple[int, ...]:

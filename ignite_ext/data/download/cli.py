@@ -3,10 +3,14 @@
 Building the parser imports little (``--help`` answers at once); the download machinery is imported when a download
 runs. Made for job prologues: the path on stdout, one ``error:`` line on stderr and a documented exit status on
 failure (never a traceback); while waiting for another process's fetch, a line on stderr every few seconds naming
-the lock holder's host and pid, and one when this process takes over (``--quiet`` silences them, ``--verbose``
-adds every failed attempt); progress bars only on a terminal.
+the lock holder's host and pid, and one when the wait is over: the file was fetched by another process, or it
+was not and this process fetches it (``--quiet`` silences them, ``--verbose`` adds every failed attempt); progress
+bars only on a terminal.
 
 .. versionadded:: 0.1.0
+.. versionchanged:: 0.4.0
+   A waiter says what it found ("fetched by another process"), not "took over"; failed attempts only with
+   ``--verbose``.
 """
 
 from __future__ import annotations
@@ -157,7 +161,7 @@ def cli(args: argparse.Namespace) -> int:
     return 0
 
 
-# What a job prologue's log shows: whom a process waits for, when it takes over, attempts that failed.
+# What a job prologue's log shows: whom a process waits for, what it found after, attempts that failed (-v).
 _LOGGERS = ("ignite_ext.data.download", "ignite_ext.data.extract")
 
 

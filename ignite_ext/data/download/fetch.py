@@ -73,7 +73,7 @@ from ignite_ext.data.download._verify import CHUNK, expected_digests, is_valid, 
 from ignite_ext.data.download.extract import DEFAULT_MAX_TOTAL_BYTES, archive_stem, extract_archive
 from ignite_ext.errors import ChecksumError, DownloadError
 
-__all__ = ["ORPHAN_MAX_AGE_S", "ChecksumError", "DownloadError", "check_arguments", "download_url"]
+__all__ = ["ORPHAN_MAX_AGE_S", "ChecksumError", "DownloadError", "check_arguments", "download_url", "writable_root"]
 
 logger = logging.getLogger("ignite_ext.data.download")
 
@@ -160,7 +160,8 @@ def download_url(
             the disk cannot hold the file or, with ``extract=True``, its extraction (its message names the URL or
             the archive, and the path). Or another user's process on this host held the file's lock for
             ``2 * (timeout + low_speed_time)`` seconds (``deadline`` when shorter): the message names the lock file
-            and that process (pid, user, command); a lock of this user's processes is waited for as before.
+            and that process (pid, user, command); a lock of this user's processes is waited for as before. Or
+            ``root`` cannot be made or written (a read-only mount, another user's directory): the message names it.
         ArchiveError: with ``extract=True``, an unsafe or oversized archive.
 
     Examples:
@@ -182,22 +183,28 @@ def download_url(
     .. versionchanged:: 0.4.0
        Raises what torchvision's callers catch: ``DownloadError`` is a ``URLError``, ``ChecksumError`` also a
        ``RuntimeError`` (a torchvision dataset stopped at its first failing mirror).
+       A ``root`` that cannot be written is a :class:`DownloadError` naming it, before any lock or temp file (when
+       the file is to be fetched: a verified one is returned from a read-only ``root`` as before).
     """
     urls = [url, *mirrors]
     check_arguments(urls, timeout, retries, deadline, connections, low_speed_limit, low_speed_time)
     expected = expected_digests(sha256=sha256, md5=md5)
     root_dir = Path(root).expanduser()
-    root_dir.mkdir(parents=True, exist_ok=True)
     target = root_dir / _target_name(url, filename)
     # Twice the longest one attempt of this call may go without progress: a stranger's lock is given up after it.
     patience_s = min(2.0 * (timeout + low_speed_time), deadline or math.inf)
-    if not is_valid(target, expected, urls):
+    if not is_valid(target, expected, urls):  # a verified file is returned from a read-only root too
+        writable_root(root_dir, url)
         try:
             with exclusive(_lock_path(target), f"another process's download of {target}", logger, patience_s) as waited:
                 # Whoever held the lock before us may have just published it, or just failed.
-                if not is_valid(target, expected, urls):
+                valid = is_valid(target, expected, urls)
+                if waited and valid:
+                    logger.info("fetched by another process: %s", target)
+                elif not valid:
                     if waited:
                         raise_shared_failure(target, urls)
+                        logger.info("the process before this one left no %s; fetching it", target.name)
                     ends_at = None if deadline is None else time.monotonic() + deadline
                     try:
                         job = Job(
@@ -214,6 +221,47 @@ def download_url(
     if not extract:
         return target
     return extract_archive(target, root_dir / archive_stem(target.name), max_total_bytes=max_total_bytes)
+
+
+def writable_root(root: str | os.PathLike[str], url: str) -> Path:
+    """Make ``root`` (and its parents) if missing and check that this process may write into it.
+
+    A download writes its temp file, lock and records into ``root``: where it cannot (a read-only mount, a directory
+    of another user's), this says so at once, naming ``root``, rather than failing later on a hidden file in it.
+
+    Args:
+        root: the directory to download into.
+        url: the URL to name in the error.
+
+    Returns:
+        ``root``, with ``~`` expanded.
+
+    Raises:
+        DownloadError: ``root`` cannot be made or written; its ``errno`` and ``__cause__`` say why.
+
+    Examples:
+        >>> import tempfile
+        >>> from pathlib import Path
+        >>> from ignite_ext.data.download.fetch import writable_root
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     writable_root(Path(tmp, "data"), "https://example.org/a.bin").is_dir()
+        True
+
+    .. versionadded:: 0.4.0
+    """
+    root_dir = Path(root).expanduser()
+    try:
+        root_dir.mkdir(parents=True, exist_ok=True)
+        # access(2) answers for this process's ids, ACLs and read-only mounts without writing anything.
+        if not os.access(root_dir, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids):
+            readonly = os.statvfs(root_dir).f_flag & os.ST_RDONLY
+            code = errno.EROFS if readonly else errno.EACCES
+            raise OSError(code, os.strerror(code), str(root_dir))
+    except OSError as exc:
+        error = DownloadError(f"{url}: cannot write into {root_dir}: {exc.strerror or exc}", url=url)
+        error.errno = exc.errno
+        raise error from exc
+    return root_dir
 
 
 def check_arguments(
@@ -335,11 +383,11 @@ def _fetch_from(url: str, partial: Partial, target: Path, job: Job) -> DownloadE
             partial.restart()
             partial.no_resume = True
             failures, last = failures + 1, exc
-            logger.info("attempt %d of %d failed: %s", failures, job.retries + 1, exc)
+            logger.debug("attempt %d of %d failed: %s", failures, job.retries + 1, exc)
             continue
         except RetryableError as exc:
             failures, last = failures + 1, exc
-            logger.info("attempt %d of %d failed: %s", failures, job.retries + 1, exc)
+            logger.debug("attempt %d of %d failed: %s", failures, job.retries + 1, exc)
             continue
         except FatalHTTPError as exc:
             if isinstance(exc, LengthConflict):

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from ignite_ext.data.download._verify import expected_digests
-from ignite_ext.data.download.fetch import check_arguments, download_url
+from ignite_ext.data.download.fetch import check_arguments, download_url, writable_root
 
 __all__ = ["download_for_job"]
 
@@ -76,7 +76,8 @@ def download_for_job(
     Raises:
         DownloadError: the origin's holder gave up on the origin (every holder raises the same error, once), or
             this holder could not write its copy. The ranks that waited for their directory's holder raise
-            :class:`~ignite_ext.distributed.RankFailedError` naming it, as in any scheduled block.
+            :class:`~ignite_ext.distributed.RankFailedError` naming it, as in any scheduled block. Or, on every
+            rank before anything is fetched, some rank's ``root`` cannot be made or written (the message names it).
         ChecksumError: the origin served bytes with another digest than the one given.
         ValueError: as :func:`~ignite_ext.data.download_url`, on every rank.
 
@@ -90,13 +91,16 @@ def download_for_job(
         'a'
 
     .. versionadded:: 0.3.0
+    .. versionchanged:: 0.4.0
+       A ``root`` that cannot be written is a :class:`~ignite_ext.errors.DownloadError` naming it, on every rank.
     """
     import ignite_ext.distributed as idist  # not at import: plain downloads need neither it nor torch
     from ignite_ext.distributed.agreement import disagreement
 
     idist.agree(
-        lambda: _same_everywhere(url, filename, md5, options),
-        "checking download_for_job's arguments",
+        # Before the block: its SharedPath census writes into root, and would fail there in words of its own.
+        lambda: _same_everywhere(url, filename, md5, options, root),
+        "checking download_for_job's arguments and root",
         check=lambda keys: None if (d := disagreement(keys)) is None else f"the ranks passed different arguments: {d}",
     )
     # download_url relays what it fetches in a scheduled block; its relays stop when this rank leaves it.
@@ -104,8 +108,10 @@ def download_for_job(
         return download_url(url, root, filename, md5, **options)
 
 
-def _same_everywhere(url: str, filename: str | None, md5: str | None, options: dict[str, Any]) -> str:
-    """Check the arguments as :func:`download_url` would; return what every rank must pass alike (not ``root``)."""
+def _same_everywhere(
+    url: str, filename: str | None, md5: str | None, options: dict[str, Any], root: str | os.PathLike[str]
+) -> str:
+    """Check the arguments and ``root`` as :func:`download_url` would; return what every rank must pass alike."""
     signature = inspect.signature(download_url)
     unknown = sorted(set(options) - set(signature.parameters) - {"url", "root", "filename", "md5"})
     if unknown:
@@ -124,5 +130,6 @@ def _same_everywhere(url: str, filename: str | None, md5: str | None, options: d
         args["low_speed_time"],
     )
     expected_digests(sha256=args["sha256"], md5=md5)
+    writable_root(root, url)
     del args["root"], args["progress"]  # a rank's own directory, and whether it shows a bar
     return repr(sorted((k, list(v) if k == "mirrors" else v) for k, v in args.items()))
