@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import pkgutil
 import shutil
 import time
@@ -85,6 +86,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="short runs (minutes instead of tens of minutes)")
     parser.add_argument("--only", nargs="*", help="benchmark names to run (default: all)")
     args = parser.parse_args()
+    # torch's store server looks up the name of every client that connects (a reverse DNS query, for 127.0.0.1
+    # too), one after the other, and a resolver that loses queries stalls it 5-10 s each: hundreds of simulated
+    # ranks connecting at once wait minutes. Lookups go over TCP, as in the tests (docs/testing.rst): on these
+    # machines they then fail at once, and /etc/hosts still answers.
+    os.environ.setdefault("RES_OPTIONS", "use-vc")
     RESULTS.mkdir(exist_ok=True)
     (DOCS / "benchmarks").mkdir(exist_ok=True)
     for module in _modules():

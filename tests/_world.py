@@ -90,6 +90,31 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+_STACKS: Any = None
+
+
+def _descendants(pid: int) -> list[int]:
+    """``pid``'s live descendants (its DataLoader workers, their children), from ``/proc``."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                stat = (entry / "stat").read_text()
+                children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _main_stacks(text: str, frames: int = 8) -> str:
+    """The main threads' stacks in faulthandler dumps (the threads not started by ``threading``), innermost first."""
+    blocks = [b.strip().splitlines() for b in text.split("\n\n") if b.strip()]
+    return "\n".join("\n".join(b[: frames + 1]) for b in blocks if "threading.py" not in b[-1] or len(b) == 1)
+
+
 def _child(
     conn: Connection,
     rank: int,
@@ -101,7 +126,10 @@ def _child(
     kwargs: dict[str, Any],
 ) -> None:
     os.environ.update(env)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    global _STACKS
+    # Appended to by the rank and by the DataLoader workers it forks (they inherit the handler and the file).
+    _STACKS = open(env["_WORLD_STACKS"], "a")  # noqa: SIM115 - open for the process's life
+    faulthandler.register(signal.SIGUSR1, file=_STACKS, all_threads=True)
     try:
         if backend is not None:
             from datetime import timedelta
@@ -151,6 +179,8 @@ def run_world(
     procs: list[Any] = []
     conns: dict[Connection, int] = {}
     results = [RankResult(rank=r) for r in range(nprocs)]
+    stacks = tempfile.mkdtemp(prefix="world-stacks-")
+    dumped = ""
     try:
         for rank in range(nprocs):
             child_env = {
@@ -164,6 +194,7 @@ def run_world(
                 "OMP_NUM_THREADS": "1",
                 **(env or {}),
                 **(rank_env(rank) if rank_env else {}),
+                "_WORLD_STACKS": os.path.join(stacks, f"rank{rank}"),
             }
             parent_conn, child_conn = _CTX.Pipe(duplex=False)
             proc = _CTX.Process(
@@ -198,11 +229,22 @@ def run_world(
         timed_out = sorted(pending.values())
         for rank in timed_out:
             results[rank].timed_out = True
-            if procs[rank].is_alive():
-                os.kill(procs[rank].pid, signal.SIGUSR1)  # stacks to stderr, for the log
+            # The rank, or the workers it forked, which keep its end of the pipe open after it died.
+            for pid in [procs[rank].pid, *_descendants(procs[rank].pid)]:
+                with open(os.path.join(stacks, f"rank{rank}"), "a") as f:
+                    f.write(f"\npid {pid}:\n\n")
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGUSR1)
+                time.sleep(0.2)  # one process at a time: their dumps share the file
         if timed_out:
-            time.sleep(0.5)
+            time.sleep(0.3)
+            for rank in timed_out:
+                with contextlib.suppress(OSError):
+                    text = Path(stacks, f"rank{rank}").read_text()
+                    sys.stderr.write(f"rank {rank} and its children, every thread:\n{text}\n")
+                    dumped += f"rank {rank} (or a process it forked), main threads:\n{_main_stacks(text)}\n"
     finally:
+        shutil.rmtree(stacks, ignore_errors=True)
         for proc in procs:
             if proc.is_alive():
                 proc.kill()
@@ -216,6 +258,7 @@ def run_world(
         raise WorldDeadlineError(
             f"ranks {timed_out} were still running after {deadline}s and were killed:\n"
             + "\n".join(str(r) for r in results)
+            + (f"\n{dumped}" if dumped else "")
         )
     return results
 
