@@ -114,6 +114,8 @@ class Group:
                 "NODE_RANK": "0",
                 "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(port),
+                # Mosaic's lock files go to the temporary directory under fixed names: this run's, removed with it.
+                "TMPDIR": self.workdir,
                 **(extra_env or {}),
             }
             log = os.path.join(self.workdir, f"rank{rank}.log")
