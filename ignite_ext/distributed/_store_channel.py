@@ -46,6 +46,8 @@ from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import TypeVar
 
+import ignite.distributed as idist
+
 from ignite_ext.distributed._channel import Channel, decode_failures, encode_failures, log
 from ignite_ext.distributed._lingering import Lingering
 from ignite_ext.distributed._state import GroupState
@@ -62,6 +64,7 @@ from ignite_ext.distributed._store import (
     read,
     timed_out,
 )
+from ignite_ext.distributed._waiting_line import LOG, SHOW, WaitingLine, waiting_line_role
 from ignite_ext.distributed.liveness import Cut, Heartbeat, beat_interval, heartbeat_timeout, log_interval
 from ignite_ext.distributed.policies import Plan
 from ignite_ext.distributed.store.codecs import COMPLETE, DEATH_ENTERED, LOST, ExitCount, decode_progress
@@ -218,6 +221,24 @@ class StoreChannel(Channel):
         value = known if checked else ready()
         if value is not None:
             return value
+        role = waiting_line_role(idist.get_local_rank()) if about is not None else LOG
+        line = WaitingLine() if role == SHOW else None
+        try:
+            return self._wait_slices(ready, what, phase, about, role, line)
+        finally:
+            if line is not None:
+                line.end()
+
+    def _wait_slices(
+        self,
+        ready: Callable[[], T | None],
+        what: str,
+        phase: str,
+        about: Callable[[], str] | None,
+        role: str,
+        line: WaitingLine | None,
+    ) -> T:
+        """:meth:`_wait`'s slices; on a terminal (``role``), ``line`` is rewritten at each one instead of logging."""
         start = logged = time.monotonic()
         wake = self.keys.wake(self.rank, phase)
         while True:
@@ -225,11 +246,13 @@ class StoreChannel(Channel):
             left = self._bounded()
             if left is not None and left <= 0:
                 raise TimeoutError(f"rank {self.rank} waited {now - start:.0f} s for {what} ({self.label})")
-            if now - logged >= 0.9 * log_interval():  # at a slice's end, about once a log interval
+            if line is not None and about is not None and now - start >= 0.9 * beat_interval():
+                line.show(f"rank {self.rank} has waited {now - start:.0f} s for {what}{about()}")
+            elif role == LOG and now - logged >= 0.9 * log_interval():  # at a slice's end, about once an interval
                 more = about() if about is not None else ""
                 log().info("rank %d has waited %.0f s for %s (%s)%s", self.rank, now - start, what, self.label, more)
                 logged = now
-            seconds = slice_seconds()
+            seconds = slice_seconds() if line is None else min(slice_seconds(), max(0.05, beat_interval()))
             if left is not None:
                 seconds = max(0.01, min(seconds, left))
             # The tick first, then the look at the cuts: a cut the heartbeat thread adopts after the look sets the

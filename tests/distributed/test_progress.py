@@ -3,10 +3,12 @@ work stops advancing is reported as stalled on every rank within the stall deadl
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -245,3 +247,45 @@ def test_a_failed_first_ranks_error_carries_its_last_progress(world: World) -> N
     for r in results[1:]:
         assert r.ok and r.value["outcome"] == "RankFailedError", str(r)
         assert "OSError: disk full [last progress: unpacking: 3 of 10 (30 %)" in r.value["message"], r.value
+
+
+def _terminal_wait() -> dict[str, Any]:
+    """Rank 0 tokenizes for 6 beats; ranks 2 and 3 wait with a terminal for standard error, rank 1 without."""
+    import pty
+
+    master = None
+    if idist.get_rank() in (2, 3):
+        master, follower = pty.openpty()
+        sys.stderr = os.fdopen(follower, "w")
+        os.set_blocking(master, False)
+
+    def tokenize() -> None:
+        for i in range(60):
+            progress.report(i, total=60, what="tokenizing")
+            time.sleep(T / 4 * 6 / 60)  # 6 beats in all
+
+    value = _outcome(0, tokenize, stall_timeout=None)
+    if master is not None:
+        sys.stderr.flush()
+        chunks = []
+        with contextlib.suppress(BlockingIOError):
+            while chunk := os.read(master, 65536):
+                chunks.append(chunk)
+        value["terminal"] = b"".join(chunks).decode(errors="replace")
+    return value
+
+
+def test_on_a_terminal_one_line_per_node_is_rewritten_with_the_awaited_progress(world: World) -> None:
+    results = world(_terminal_wait, nprocs=4, nproc_per_node=2, env=ENV, deadline=120)
+    assert all(r["outcome"] == "ok" for r in results), results
+    waiting = [line for line in results[1]["lines"] if "has waited" in line]
+    assert waiting and "tokenizing" in waiting[-1], results[1]  # no terminal: the log lines, with the progress
+    shown = results[2]["terminal"]  # its node's local rank 0: one line, rewritten at each beat interval
+    assert shown.endswith("\r\n") and shown.count("\n") == 1, shown  # ended once, when the wait was over
+    refreshes = [part for part in shown[:-2].split("\r") if part]  # (the terminal writes a newline as \r\n)
+    assert len(refreshes) >= 3, shown
+    assert all(part.startswith("\x1b[Krank 2 has waited") for part in refreshes), shown
+    assert "rank 0: tokenizing" in refreshes[-1] and "of 60" in refreshes[-1], shown
+    assert not [line for line in results[2]["lines"] if "has waited" in line], results[2]  # the line instead
+    assert results[3]["terminal"] == "", results[3]  # the node's other rank: quiet while it waits
+    assert not [line for line in results[3]["lines"] if "has waited" in line], results[3]
