@@ -385,28 +385,51 @@ def test_a_deadline_bounds_every_holder(world: World, server: TestHTTPServer, tm
     assert all("deadline" in r["message"] for r in results), results
 
 
-def body_local_first(url: str, base: str, relay: str) -> dict[str, Any]:
+def _listening_ports() -> set[int]:
+    """The TCP ports some process of this network namespace listens on (IPv4 and IPv6)."""
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(FileNotFoundError):
+            for row in Path(table).read_text().splitlines()[1:]:
+                fields = row.split()
+                if fields[3] == "0A":  # LISTEN
+                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def body_local_first(url: str, base: str, relay: str, asked: bool) -> dict[str, Any]:
     import ignite_ext.distributed as idist
     from ignite_ext.data import download_url
 
     os.environ["IGNITE_EXT_RELAY"] = relay
     root = Path(base, f"node{idist.get_node_rank()}")
-    with idist.one_rank_first(local=True):  # the usual pattern for node-local disks, unchanged
-        path = download_url(url, root, sha256=SHA, progress=False)
-    return {"sha": hashlib.sha256(path.read_bytes()).hexdigest()}
+    before = _listening_ports()
+    opened: set[int] = set()
+    with idist.one_rank_first(local=True) as first:  # the usual pattern for node-local disks
+        options = {"relay": True} if asked else {}
+        path = download_url(url, root, sha256=SHA, progress=False, **options)
+        if first:
+            opened = _listening_ports() - before  # a relay listens until the block ends
+    return {"sha": hashlib.sha256(path.read_bytes()).hexdigest(), "opened": sorted(opened)}
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("relay", ["1", "0"], ids=["relayed", "relay-off"])
-def test_one_rank_first_local_users_fetch_once_per_job_too(
-    world: World, server: TestHTTPServer, tmp_path: Path, relay: str
+@pytest.mark.parametrize(
+    ("relay", "asked"), [("1", True), ("0", True), ("1", False)], ids=["asked", "asked-relay-off", "not-asked"]
+)
+def test_one_rank_first_local_users_fetch_once_per_job_when_they_ask(
+    world: World, server: TestHTTPServer, tmp_path: Path, relay: str, asked: bool
 ) -> None:
-    # Two nodes of two ranks (nproc_per_node=2), a directory per node: each node's local rank 0 runs first, and
-    # the two of them chain up; with IGNITE_EXT_RELAY=0 each asks the origin, as before.
+    # Two nodes of two ranks (nproc_per_node=2), a directory per node: each node's local rank 0 runs first. Asked
+    # (relay=True), the two of them chain up and the second node's holder listens on a port for the block; with
+    # IGNITE_EXT_RELAY=0, or unasked, each asks the origin and no port is opened.
     url = server.add("/a.bin", DATA)
-    results = world(body_local_first, url, str(tmp_path), relay, nproc_per_node=2, env=ENV)
+    results = world(body_local_first, url, str(tmp_path), relay, asked, nproc_per_node=2, env=ENV)
     assert {r["sha"] for r in results} == {SHA}
-    assert server.bytes_served("/a.bin") == len(DATA) * (1 if relay == "1" else 2)
+    relayed = relay == "1" and asked
+    assert server.bytes_served("/a.bin") == len(DATA) * (1 if relayed else 2)
+    opened = [port for r in results for port in r["opened"]]
+    assert bool(opened) == relayed, results  # every holder's relay listens while it downloads; none unasked
 
 
 @pytest.mark.parametrize("given", [True, False], ids=["digest-given", "digest-posted"])

@@ -47,6 +47,7 @@ class Job:
     connections: int = 1
     low_speed_limit: float = LOW_SPEED_LIMIT  # bytes per second; 0: no floor
     low_speed_time: float = LOW_SPEED_TIME_S
+    relay: bool = False  # join the file's relay chain in a scheduled block of a job
 
     def check_deadline(self, url: str) -> None:
         if self.ends_at is not None and time.monotonic() > self.ends_at:

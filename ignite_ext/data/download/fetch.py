@@ -100,6 +100,7 @@ def download_url(
     progress: bool = True,
     low_speed_limit: float = LOW_SPEED_LIMIT,
     low_speed_time: float = LOW_SPEED_TIME_S,
+    relay: bool = False,
 ) -> Path:
     """Download ``url`` to ``root/filename`` once per filesystem, verified, atomically and resumably.
 
@@ -115,10 +116,11 @@ def download_url(
     over its mirrors goes on to the next one. Each failing mirror costs its ``retries`` first (see the downloads
     guide).
 
-    Inside a scheduled block of a multi-rank job (``one_rank_first(local=True)``, ``SharedPath``, any block), the
-    processes that fetch the same file into different directories fetch it from the origin once for the job: the
-    first to come fetches, the others receive it from one another while it downloads (see
-    :mod:`ignite_ext.data.download.jobwide`); ``IGNITE_EXT_RELAY=0`` turns that off.
+    With ``relay=True``, inside a scheduled block of a multi-rank job (``one_rank_first(local=True)``,
+    ``SharedPath``, any block), the processes that fetch the same file into different directories fetch it from
+    the origin once for the job: the first to come fetches, the others receive it from one another while it
+    downloads, through a port each of them opens (see :mod:`ignite_ext.data.download.jobwide`;
+    :func:`~ignite_ext.data.download_for_job` asks for it). By default nothing is relayed and no port is opened.
 
     Args:
         url: ``http``, ``https`` or ``file`` URL (non-ASCII characters are encoded as UTF-8, hosts as IDNA).
@@ -149,6 +151,9 @@ def download_url(
             cannot see; 0 turns the floor off.
         low_speed_time: seconds a body may stay below ``low_speed_limit`` (curl's ``--speed-time``); the default,
             30 s, rides out a stall of TCP retransmissions or a proxy that buffers before the bytes flow again.
+        relay: inside a scheduled block of a multi-rank job, take the bytes from the processes that fetched them
+            before this one and serve them to those after it (a listening port on the interface that routes to
+            ``MASTER_ADDR``, while the block runs); ``IGNITE_EXT_RELAY=0`` turns it off whatever this says.
 
     Returns:
         The path of the file, or with ``extract=True`` of the directory it was extracted into.
@@ -185,6 +190,8 @@ def download_url(
        ``RuntimeError`` (a torchvision dataset stopped at its first failing mirror).
        A ``root`` that cannot be written is a :class:`DownloadError` naming it, before any lock or temp file (when
        the file is to be fetched: a verified one is returned from a read-only ``root`` as before).
+       ``relay``: relaying inside a scheduled block only when asked (it was ``download_url``'s doing in any block,
+       opening a port unasked); :func:`~ignite_ext.data.download_for_job` asks for it.
     """
     urls = [url, *mirrors]
     check_arguments(urls, timeout, retries, deadline, connections, low_speed_limit, low_speed_time)
@@ -208,7 +215,15 @@ def download_url(
                     ends_at = None if deadline is None else time.monotonic() + deadline
                     try:
                         job = Job(
-                            expected, timeout, retries, progress, ends_at, connections, low_speed_limit, low_speed_time
+                            expected,
+                            timeout,
+                            retries,
+                            progress,
+                            ends_at,
+                            connections,
+                            low_speed_limit,
+                            low_speed_time,
+                            relay,
                         )
                         _fetch(target, urls, job)
                     except DownloadError as exc:
@@ -311,8 +326,9 @@ def _fetch(target: Path, urls: Sequence[str], job: Job) -> None:
     member = None
     published = False
     try:
-        relays = in_this_block()
-        # In a scheduled block of a job: serve these bytes to the holders after this one, take them from those before.
+        relays = in_this_block() if job.relay else None
+        # Asked, in a scheduled block of a job: serve these bytes to the holders after this one, take them from those
+        # before.
         member = relays.join(target, urls, job, partial) if relays is not None else None
         with _no_space_is_a_download_error(urls[0], partial, target):
             if member is not None and not member.from_origin and from_relays(member, partial, job):

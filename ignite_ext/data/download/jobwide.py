@@ -3,8 +3,9 @@
 Called on every rank, it runs :func:`~ignite_ext.data.download_url` in a
 ``rank_scheduler(order=SharedPath(root))`` block: one rank per physical directory (per host, for a node-local
 ``root``) makes its directory's copy while the others wait for it, as before. What changes is where those
-*holders* get the bytes, and it is ``download_url``'s doing inside any scheduled block of a job (so the same holds
-for ``one_rank_first(local=True)`` around it, with one holder per node). They join a chain through the job's
+*holders* get the bytes: it asks ``download_url`` to relay (``relay=True``), which a scheduled block of a job
+written by hand may ask too (``one_rank_first(local=True)`` around ``download_url(..., relay=True)``, with one holder
+per node); unasked, nothing is relayed and no port is opened. They join a chain through the job's
 store (:mod:`._chain`) in the order they come: the first fetches from the origin, each next one from the one
 before it, through that holder's relay (:mod:`._relay_server`), which serves its temp file *as it grows*. So the
 bytes flow down the chain while the origin still sends them, and the origin serves them once.
@@ -97,13 +98,14 @@ def download_for_job(
     import ignite_ext.distributed as idist  # not at import: plain downloads need neither it nor torch
     from ignite_ext.distributed.agreement import disagreement
 
+    options.setdefault("relay", True)  # download_url relays when asked (and IGNITE_EXT_RELAY is not 0)
     idist.agree(
         # Before the block: its SharedPath census writes into root, and would fail there in words of its own.
         lambda: _same_everywhere(url, filename, md5, options, root),
         "checking download_for_job's arguments and root",
         check=lambda keys: None if (d := disagreement(keys)) is None else f"the ranks passed different arguments: {d}",
     )
-    # download_url relays what it fetches in a scheduled block; its relays stop when this rank leaves it.
+    # Asked to, download_url relays what it fetches in the block; its relays stop when this rank leaves it.
     with idist.rank_scheduler(order=idist.SharedPath(root)):
         return download_url(url, root, filename, md5, **options)
 
