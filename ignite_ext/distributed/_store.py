@@ -247,17 +247,30 @@ os.register_at_fork(after_in_child=_forget_namespaces)
 StoreError: type[RuntimeError] = getattr(torch.distributed, "DistStoreError", RuntimeError)
 
 
-def timed_out(exc: BaseException) -> bool:
+def timed_out(exc: BaseException, waited: float | None = None, asked: float | None = None) -> bool:
     """Whether a store error is a ``wait`` that timed out (any torch: the error's type changed, its words did not).
+
+    ``waited``: seconds from the request to the error; ``asked``: the wait's timeout. torch 2.5 builds a timed-out
+    wait's message from the connection's peer address and, where that address has no name (reverse DNS failing at
+    once, as in containers without a resolver), raises ``DistNetworkError("failed to format addr ...")`` instead:
+    that error is a time-out when it came once the timeout had passed (a broken connection fails at once).
 
     Examples:
         >>> from ignite_ext.distributed._store import timed_out
         >>> timed_out(RuntimeError("Socket Timeout")), timed_out(RuntimeError("Connection reset by peer"))
         (True, False)
+        >>> lost = RuntimeError("failed to format addr, unknown family=0")
+        >>> timed_out(lost, waited=0.21, asked=0.2), timed_out(lost, waited=0.01, asked=0.2), timed_out(lost)
+        (True, False, False)
 
     .. versionadded:: 0.4.0
     """
-    return isinstance(exc, RuntimeError) and "timeout" in str(exc).lower()
+    if not isinstance(exc, RuntimeError):
+        return False
+    if "timeout" in str(exc).lower():
+        return True
+    unformatted = "failed to format addr" in str(exc)
+    return unformatted and waited is not None and asked is not None and waited >= 0.95 * asked
 
 
 # pybind's Store takes bytes wherever its stub says str: values here are bytes, so the casts live in these three.

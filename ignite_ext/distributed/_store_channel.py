@@ -265,10 +265,11 @@ class StoreChannel(Channel):
                 continue
             wait_s = seconds + max(5.0, seconds)
             self._expect_answer_within(wait_s)
+            asked = time.monotonic()
             try:
                 self.client.wait([wake], timedelta(seconds=wait_s))
             except StoreError as exc:
-                if not timed_out(exc):
+                if not timed_out(exc, time.monotonic() - asked, wait_s):
                     raise
                 # The tick did not come (the heartbeat thread is gone): a slice all the same.
             finally:

@@ -14,6 +14,7 @@ import os
 import random
 
 import pytest
+import torch.distributed as dist
 
 from benchmarks.fault_sweep import (
     Trial,
@@ -68,6 +69,11 @@ def test_a_rank_dead_at_requests_of_a_shared_path_block_is_reported_by_every_sur
     # SharedPath's census gathers through the backend: a peer that died makes the others' gathers fail, each its
     # own way (gloo: "Connection closed by peer"), which escaped untyped; the dead rank's cut now explains it.
     # Every third of the rank's requests in the block (the full sweep takes them all), from its entry to its exit.
+    if not hasattr(dist.Store, "clone"):
+        pytest.skip(
+            "torch < 2.6: the package's requests go over connections of its own (no Store.clone), which the "
+            "sweep's store proxy does not see, so there is no crash point inside a block to enumerate"
+        )
     clean = clean_run(4, T)
     points = requests_in_block(clean, 3, "C")
     assert len(points) >= 6, points
