@@ -41,6 +41,7 @@ INTERNAL = {
     "ignite_ext.data.download._http.RetryableError",
     "ignite_ext.data.download._http.TooSlow",
     "ignite_ext.data.download._relay_client.RelayGone",
+    "ignite_ext.data.download._relay_client.RelayUnreachable",
     "ignite_ext.data.download._relay_wire.RelayRefused",
     "ignite_ext.data.download._urls.RedirectRefused",
 }

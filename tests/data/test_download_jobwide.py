@@ -523,3 +523,49 @@ def test_no_digest_wait_for_a_holder_that_abandoned(tmp_path: Path) -> None:
     assert _verified(member, _partial(tmp_path), job, before=[0]) is False
     assert chain.failure() is None
     assert time.monotonic() - start < 5.0
+
+
+def _dropping_port() -> tuple[socket.socket, list[socket.socket]]:
+    """A listening socket whose accept queue is full: the kernel drops new connections' SYNs, as a firewall that
+    filters the port does (no refusal: the client waits)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    queued = []
+    for _ in range(4):
+        client = socket.socket()
+        client.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            client.connect(listener.getsockname())
+        queued.append(client)
+    time.sleep(0.2)
+    return listener, queued
+
+
+def test_relays_on_a_filtered_port_send_a_holder_to_the_origin_after_one_connect_timeout(tmp_path: Path) -> None:
+    # Holders 1 and 2 published relays that a firewall drops: holder 3 tries holder 2's once, for
+    # CONNECT_TIMEOUT_S, and goes to the origin, without retrying it or trying holder 1's (2 x 3 tries of the
+    # system's TCP timeout before).
+    import torch.distributed as dist
+
+    from ignite_ext.data.download._chain import Chain, Holder
+    from ignite_ext.data.download._job import Job
+    from ignite_ext.data.download._relay_client import CONNECT_TIMEOUT_S
+    from ignite_ext.data.download._relaying import Member, from_relays
+
+    listener, queued = _dropping_port()
+    try:
+        host, port = listener.getsockname()
+        chain = Chain(dist.HashStore(), "file-1")
+        for place in (1, 2):
+            chain.post(Holder(place, place - 1, host, port))
+        member = Member(chain, 3, b"", Growing(), None, "http://origin/a.bin", 2)  # type: ignore[arg-type]
+        job = Job({}, timeout=5.0, retries=0, progress=False, ends_at=None)
+        start = time.monotonic()
+        assert from_relays(member, _partial(tmp_path), job) is False  # the origin it is
+        took = time.monotonic() - start
+        # One connect timeout, plus the scheduling slack of a loaded machine: under two of them.
+        assert CONNECT_TIMEOUT_S <= took < 2 * CONNECT_TIMEOUT_S, took
+    finally:
+        for sock in [listener, *queued]:
+            sock.close()

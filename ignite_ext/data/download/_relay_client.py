@@ -19,7 +19,12 @@ from ignite_ext.data.download._relay_wire import HANDSHAKE_TIMEOUT_S, client_hel
 from ignite_ext.data.download._verify import CHUNK
 from ignite_ext.errors import IgniteExtError
 
-__all__ = ["RelayGone", "receive"]
+__all__ = ["CONNECT_TIMEOUT_S", "RelayGone", "RelayUnreachable", "receive"]
+
+#: Seconds a relay has to accept a connection. The job's hosts share a network, where a connection is accepted in
+#: milliseconds and a lost SYN is sent again after 1 s; a port that a firewall filters (packets dropped, not
+#: refused) would otherwise hold each holder for the system's TCP timeout (minutes) before the origin.
+CONNECT_TIMEOUT_S = 3.0
 
 
 class RelayGone(IgniteExtError, ConnectionError):
@@ -28,6 +33,14 @@ class RelayGone(IgniteExtError, ConnectionError):
     Never leaves the job-wide fetch: the holder then turns to another holder, or to the origin.
 
     .. versionadded:: 0.3.0
+    """
+
+
+class RelayUnreachable(RelayGone):
+    """No relay answered a connection within :data:`CONNECT_TIMEOUT_S`: the network between the job's hosts drops
+    the relays' ports (a firewall), so no other holder's relay is asked either; the holder turns to the origin.
+
+    .. versionadded:: 0.4.0
     """
 
 
@@ -56,9 +69,15 @@ def receive(
         RelayGone: the rest of the file cannot come from this relay.
     """
     try:
-        sock = socket.create_connection(address, timeout=HANDSHAKE_TIMEOUT_S)
+        sock = socket.create_connection(address, timeout=CONNECT_TIMEOUT_S)
+    except TimeoutError as exc:  # dropped, not refused: a filtered port
+        raise RelayUnreachable(
+            f"relay {address[0]}:{address[1]}: no answer to a connection in {CONNECT_TIMEOUT_S:g} s "
+            "(a firewall dropping the relays' ports?)"
+        ) from exc
     except OSError as exc:
         raise RelayGone(f"relay {address[0]}:{address[1]}: {exc}") from exc
+    sock.settimeout(HANDSHAKE_TIMEOUT_S)
     with sock:
         same = partial.url == source and partial.validator is not None and not partial.no_resume
         validator = partial.validator if same and partial.validator is not None else Validator()

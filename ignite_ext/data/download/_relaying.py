@@ -27,7 +27,7 @@ from typing import Any
 from ignite_ext.data.download._chain import Chain, Holder, file_id
 from ignite_ext.data.download._job import Job
 from ignite_ext.data.download._partial import Partial
-from ignite_ext.data.download._relay_client import RelayGone, receive
+from ignite_ext.data.download._relay_client import RelayGone, RelayUnreachable, receive
 from ignite_ext.data.download._relay_server import Growing, RelayServer, Version
 from ignite_ext.data.download._verify import mismatch
 from ignite_ext.errors import DownloadError
@@ -192,7 +192,10 @@ def from_relays(member: Member, partial: Partial, job: Job) -> bool:
 
     source = member.origin if job.expected else RELAYED + member.origin
     before: list[int] = []  # the ranks of the holders before this one, as found
+    unreachable = False
     for place in range(member.place - 1, 0, -1):
+        if unreachable:
+            break
         _check_not_lost(member.rank)
         holder = member.chain.holder(place, timeout=heartbeat_timeout())
         if holder is None:
@@ -212,6 +215,13 @@ def from_relays(member: Member, partial: Partial, job: Job) -> bool:
                     slice_s=beat_interval(),
                     check=lambda: job.check_deadline(member.origin),
                 )
+            except RelayUnreachable as exc:
+                if (failure := member.chain.failure()) is not None:
+                    raise failure from None
+                # The network drops the relays' ports: every holder's is dropped alike, so the origin it is, at once.
+                logger.warning("relay: %s; fetching from the origin", exc)
+                unreachable = True
+                break
             except RelayGone as exc:
                 if (failure := member.chain.failure()) is not None:
                     raise failure from None

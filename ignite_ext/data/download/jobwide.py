@@ -68,7 +68,8 @@ def download_for_job(
         filename: name of the file in ``root``; by default the last segment of the URL's path.
         md5: expected MD5 of the file, in hex.
         **options: every keyword argument of :func:`~ignite_ext.data.download_url` (``sha256``, ``mirrors``,
-            ``extract``, ``timeout``, ``retries``, ``deadline``, ``connections``, ...), with the same meaning.
+            ``extract``, ``timeout``, ``retries``, ``deadline``, ``connections``, ...), with the same meaning;
+            ``relay`` is True here (``relay=False``: every directory's copy from the origin, no port opened).
 
     Returns:
         The path of the file on this rank, or with ``extract=True`` of the directory it was extracted into (each
