@@ -37,8 +37,10 @@ class RelayGone(IgniteExtError, ConnectionError):
 
 
 class RelayUnreachable(RelayGone):
-    """No relay answered a connection within :data:`CONNECT_TIMEOUT_S`: the network between the job's hosts drops
-    the relays' ports (a firewall), so no other holder's relay is asked either; the holder turns to the origin.
+    """No relay answered a connection within :data:`CONNECT_TIMEOUT_S`: a firewall drops the relays' ports.
+
+    The network between the job's hosts drops every holder's relay alike, so no other holder's relay is asked
+    either: the holder turns to the origin.
 
     .. versionadded:: 0.4.0
     """
