@@ -19,7 +19,7 @@ import mmap
 import os
 from collections.abc import Iterable
 
-__all__ = ["group_memory", "pss", "resident_bytes"]
+__all__ = ["PeakPss", "descendants", "group_memory", "pss", "resident_bytes"]
 
 _PAGE = mmap.PAGESIZE
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -40,6 +40,45 @@ def pss(pid: int) -> int:
     except (FileNotFoundError, ProcessLookupError):
         pass
     return 0
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid``'s live descendants (its DataLoader workers, their children), from ``/proc``."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+class PeakPss:
+    """The peak, over the calls, of the PSS of ``roots`` and all their descendants, as a user's ``top`` sums it.
+
+    Call it while the work runs (between two calls it sees nothing); ``peak`` is the largest sum seen, ``main``
+    and ``children`` its split between the roots and their descendants at that moment.
+    """
+
+    def __init__(self, roots: Iterable[int]) -> None:
+        self.roots = list(roots)
+        self.peak = self.main = self.children = 0
+        self.samples = 0
+
+    def __call__(self) -> None:
+        main = sum(pss(pid) for pid in self.roots)
+        children = sum(pss(child) for pid in self.roots for child in descendants(pid))
+        self.samples += 1
+        if main + children > self.peak:
+            self.peak, self.main, self.children = main + children, main, children
 
 
 def resident_bytes(path: str) -> int:

@@ -45,11 +45,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from benchmarks._cache_peers import BATCH, WORKERS, write_source
-from benchmarks._node_memory import group_memory, pss
+from benchmarks._node_memory import PeakPss, group_memory, pss
 from benchmarks._report import print_result
 
 NAME = "cache_peers"
@@ -136,16 +137,25 @@ class Group:
             self.replies.append(os.fdopen(read_fd))
             self.logs.append(log)
 
-    def ask(self, command: str, timeout: float = 600.0) -> list[dict[str, Any]]:
-        """Send ``command`` to every rank; their answers, in rank order."""
+    def ask(
+        self, command: str, timeout: float = 600.0, during: Callable[[], None] | None = None
+    ) -> list[dict[str, Any]]:
+        """Send ``command`` to every rank; their answers, in rank order. ``during`` is called every 50 ms meanwhile."""
         for proc in self.procs:
             assert proc.stdin is not None
             proc.stdin.write(json.dumps({"cmd": command}) + "\n")
             proc.stdin.flush()
         deadline = time.monotonic() + timeout
         answers = []
+        if during is not None:
+            during()  # at least once, however short the work
         for proc, reply, log in zip(self.procs, self.replies, self.logs, strict=True):
-            ready, _, _ = select.select([reply], [], [], max(0.0, deadline - time.monotonic()))
+            while True:
+                left = max(0.0, deadline - time.monotonic())
+                ready, _, _ = select.select([reply], [], [], left if during is None else min(left, 0.05))
+                if ready or during is None or left == 0.0:
+                    break
+                during()
             line = reply.readline() if ready else ""
             if not line:
                 tail = Path(log).read_text()[-3000:]
@@ -154,9 +164,9 @@ class Group:
             answers.append(json.loads(line))
         return answers
 
-    def epoch(self, n: int) -> float:
+    def epoch(self, n: int, during: Callable[[], None] | None = None) -> float:
         """Seconds of one epoch over all ranks, checked to have delivered every sample once."""
-        answers = self.ask("epoch")
+        answers = self.ask("epoch", during=during)
         count = sum(a["count"] for a in answers)
         labels = sum(a["label_sum"] for a in answers)
         if (count, labels) != (n, n * (n - 1) // 2):
@@ -246,9 +256,10 @@ def _alone(python: str, variant: str, source: str, n: int, numel: int, ranks: in
     group = Group(python, variant, source, n, numel, ranks, tmp)
     try:
         setup = group.ask("setup")
-        first = max(a["s"] for a in setup) + group.epoch(n)
-        for _ in range(RAM_EPOCHS - 1):
-            group.epoch(n)
+        peak = PeakPss(proc.pid for proc in group.procs)  # sampled in the last epoch before the RAM is read
+        first = max(a["s"] for a in setup) + group.epoch(n, during=peak if RAM_EPOCHS == 1 else None)
+        for i in range(RAM_EPOCHS - 1):
+            group.epoch(n, during=peak if i == RAM_EPOCHS - 2 else None)  # the last cached epoch, sampled
         memory = group.memory()
         inplace = group.ask("inplace")[0]["outcome"] if ranks == 1 else ""
         owner = next((a["ignite_ext"] for a in setup if a.get("ignite_ext")), None)
@@ -256,7 +267,7 @@ def _alone(python: str, variant: str, source: str, n: int, numel: int, ranks: in
             raise RuntimeError(f"ignite_ext came from {owner}, not from the working tree {ROOT}")
     finally:
         group.close()
-    return {"first_s": first, "memory": memory, "inplace": inplace}
+    return {"first_s": first, "memory": memory, "inplace": inplace, "peak": peak}
 
 
 def _paired(rates: dict[str, list[float]], variant: str, peer: str) -> float:
@@ -290,6 +301,10 @@ def _rows(
                 "PSS_MiB": round(mine["memory"]["pss"] / _MiB),
                 "page_cache_MiB": round(mine["memory"]["page_cache"] / _MiB),
                 "workers_MiB": round(mine["memory"]["workers"] / _MiB),
+                # During a cached epoch, as a user's top sees it: the peak of the PSS of every rank and worker.
+                "peak_PSS_MiB": round(mine["peak"].peak / _MiB),
+                "peak_PSS_vs_in_memory": round(mine["peak"].peak / max(base["peak"].peak, 1), 3),
+                "peak_workers_MiB": round(mine["peak"].children / _MiB),
                 # What the processes hold beyond one copy of the samples (one rank: every variant holds one).
                 "beyond_data_MiB": round((mine["memory"]["total"] - n * sample_bytes) / _MiB) if ranks == 1 else "",
                 "in_place_write": mine["inplace"],
@@ -310,7 +325,10 @@ def _summary(rows: list[dict[str, Any]]) -> str:
             f"first epoch vs in-memory "
             f"{ours['first_epoch_vs_in_memory']:.2f} / {lit['first_epoch_vs_in_memory']:.2f} / "
             f"{mosaic['first_epoch_vs_in_memory']:.2f}; RAM vs in-memory ({group['in-memory']['RAM_MiB']} MiB) "
-            f"{ours['RAM_vs_in_memory']:.2f} / {lit['RAM_vs_in_memory']:.2f} / {mosaic['RAM_vs_in_memory']:.2f}"
+            f"{ours['RAM_vs_in_memory']:.2f} / {lit['RAM_vs_in_memory']:.2f} / {mosaic['RAM_vs_in_memory']:.2f}; "
+            f"peak PSS during a cached epoch vs in-memory ({group['in-memory']['peak_PSS_MiB']} MiB) "
+            f"{ours['peak_PSS_vs_in_memory']:.2f} / {lit['peak_PSS_vs_in_memory']:.2f} / "
+            f"{mosaic['peak_PSS_vs_in_memory']:.2f}"
         )
     one_rank = [(sample, g) for (sample, ranks), g in _by_case(rows).items() if ranks == 1]
     ahead = all(g["CachedDataset"]["vs_LitData"] > 1.0 for _, g in one_rank)

@@ -36,6 +36,8 @@ from typing import Any
 
 import pytest
 
+from benchmarks._node_memory import descendants
+
 __all__ = [
     "BACKENDS",
     "CHANNELS",
@@ -91,22 +93,6 @@ def free_port() -> int:
 
 
 _STACKS: Any = None
-
-
-def _descendants(pid: int) -> list[int]:
-    """``pid``'s live descendants (its DataLoader workers, their children), from ``/proc``."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                stat = (entry / "stat").read_text()
-                children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 def _main_stacks(text: str, frames: int = 8) -> str:
@@ -230,7 +216,7 @@ def run_world(
         for rank in timed_out:
             results[rank].timed_out = True
             # The rank, or the workers it forked, which keep its end of the pipe open after it died.
-            for pid in [procs[rank].pid, *_descendants(procs[rank].pid)]:
+            for pid in [procs[rank].pid, *descendants(procs[rank].pid)]:
                 with open(os.path.join(stacks, f"rank{rank}"), "a") as f:
                     f.write(f"\npid {pid}:\n\n")
                 with contextlib.suppress(ProcessLookupError):

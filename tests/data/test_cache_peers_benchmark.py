@@ -39,11 +39,13 @@ def test_benchmark_contract_on_a_tiny_run(peers_python: str, monkeypatch: pytest
     assert {result["plot"]["x"], *result["plot"]["y"]} <= set(result["rows"][0])
     for ranks in (1, 2):
         base = rows[ranks, "in-memory"]
-        assert base["vs_in_memory"] == 1.0 and base["RAM_vs_in_memory"] == 1.0
+        assert base["vs_in_memory"] == 1.0 and base["RAM_vs_in_memory"] == 1.0 and base["peak_PSS_vs_in_memory"] == 1.0
         for variant in bench_cache_peers.VARIANTS:
             row = rows[ranks, variant]
             assert row["samples_per_s"] > 0 and row["first_epoch_s"] > 0
             assert row["RAM_MiB"] >= row["PSS_MiB"] > row["workers_MiB"] > 0
+            # Sampled during the epoch (a tiny one may end before its workers are seen): the ranks at least.
+            assert row["peak_PSS_MiB"] > row["peak_workers_MiB"] >= 0 and row["peak_PSS_MiB"] > 0
             # Counted in nanoseconds: an epoch of 32 in-memory samples can cost less than one 10 ms clock tick.
             assert row["cpu_us_per_sample"] > 0 and row["cpu_vs_in_memory"] > 0
     # The data of the in-memory baseline is the sample itself; the cache's reads are copies or private views.
