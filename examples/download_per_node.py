@@ -1,12 +1,14 @@
 """One copy per node directory, one fetch per job: ``SharedPath`` finds which ranks share a directory.
 
-Every rank runs ``download_url(..., extract=True)`` inside ``idist.rank_scheduler(order=idist.SharedPath(root))``:
+Every rank runs ``download_url(..., extract=True, relay=True)`` inside
+``idist.rank_scheduler(order=idist.SharedPath(root))``:
 the ranks that see the same directory on the filesystem form a group, its lowest rank (the leader) makes the
 directory's copy and extracts it first, and the others then find the verified, extracted copy. The yielded ``Turn``
 says which group a rank is in and who leads it. Here two simulated nodes of 2 ranks each get a directory each; the
-leaders chain up inside the block (``download_url`` relays there), so the server sends the archive once for the
-job: one leader fetches it, the other receives it from that leader while it downloads. With
-``IGNITE_EXT_RELAY=0`` it would send it twice, once per directory.
+leaders chain up inside the block (``relay=True``: each leader's relay listens on a port while the block runs),
+so the server sends the archive once for the job: one leader fetches it, the other receives it from that leader
+while it downloads. Without ``relay=True`` (or with ``IGNITE_EXT_RELAY=0``) it would send it twice, once per
+directory, and open no port. ``download_for_job`` is this block in one call.
 
 Offline: the script makes a small archive and serves it on 127.0.0.1.
 
@@ -36,7 +38,7 @@ def fetch(local_rank: int, base: str, url: str, sha256: str) -> None:
     # on one machine here, so each simulated node gets a directory of its own: ranks 0-1 node0/, ranks 2-3 node1/.
     root = Path(base) / f"node{rank // RANKS_PER_NODE}"
     with idist.rank_scheduler(order=idist.SharedPath(root)) as turn:
-        data = download_url(url, root, sha256=sha256, extract=True, progress=False)
+        data = download_url(url, root, sha256=sha256, extract=True, progress=False, relay=True)
     files = sum(1 for p in data.rglob("*") if p.is_file())
     with idist.rank_scheduler(order=idist.Ordered()):
         print(
