@@ -132,8 +132,14 @@ def body_relay_dies(url: str, base: str, victim: int, how: str) -> dict[str, Any
 
         _relay_server.RelayServer._send = send_then_die  # type: ignore[method-assign]
     result = body_fetch(url, base, 1, None, 0.3)
-    if how == "stopped" and idist.get_rank() != victim:
-        time.sleep(4 * T)  # the store (in rank 0) stays until the victim, continued, has learnt its fate
+    if how == "stopped":  # the store (in rank 0) stays until the victim, continued, has learnt its fate
+        learnt = Path(base, "victim-learnt")
+        if idist.get_rank() == victim:
+            learnt.touch()
+        else:
+            end = time.monotonic() + 20 * T  # a bound only: the victim says when (continued 3 T after its stop)
+            while not learnt.exists() and time.monotonic() < end:
+                time.sleep(0.05)
     return result
 
 
