@@ -194,8 +194,6 @@ def from_relays(member: Member, partial: Partial, job: Job) -> bool:
     before: list[int] = []  # the ranks of the holders before this one, as found
     unreachable = False
     for place in range(member.place - 1, 0, -1):
-        if unreachable:
-            break
         _check_not_lost(member.rank)
         holder = member.chain.holder(place, timeout=heartbeat_timeout())
         if holder is None:
@@ -215,22 +213,22 @@ def from_relays(member: Member, partial: Partial, job: Job) -> bool:
                     slice_s=beat_interval(),
                     check=lambda: job.check_deadline(member.origin),
                 )
-            except RelayUnreachable as exc:
-                if (failure := member.chain.failure()) is not None:
-                    raise failure from None
-                # The network drops the relays' ports: every holder's is dropped alike, so the origin it is, at once.
-                logger.warning("relay: %s; fetching from the origin", exc)
-                unreachable = True
-                break
             except RelayGone as exc:
                 if (failure := member.chain.failure()) is not None:
                     raise failure from None
+                if isinstance(exc, RelayUnreachable):
+                    # The network drops the relays' ports: every holder's alike, so the origin it is, at once.
+                    logger.warning("relay: %s; fetching from the origin", exc)
+                    unreachable = True
+                    break
                 logger.warning("relay: %s (try %d of %d)", exc, attempt + 1, _RECONNECTS + 1)
                 continue
             if _verified(member, partial, job, before):
                 return True
             logger.warning("relay: the copy from holder %d failed its check; starting over", place)
             partial.restart()  # bytes that fail the check are of no use from any source
+            break
+        if unreachable:
             break
     if (failure := member.chain.failure()) is not None:
         raise failure
