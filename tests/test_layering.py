@@ -135,6 +135,7 @@ def test_the_whole_package_has_no_import_circle() -> None:
 
 
 STORE_ROOM = "ignite_ext.distributed.store"
+LIVENESS = "ignite_ext.distributed.liveness"
 # The store room's modules the keeper loads by their paths: the standard library only.
 STDLIB_ONLY = ("keys", "codecs", "wire")
 
@@ -156,12 +157,20 @@ def key_literals(path: Path, root: Path = ROOT) -> list[str]:
 def store_room_violations() -> list[str]:
     """The store room's rules: keys spelled only in its keys module; it imports nothing of the scheduler's protocol
     or of liveness (nothing of the package outside it but ``ignite_ext.errors``); keys, codecs and wire import only
-    the standard library."""
+    the standard library. Liveness stands on the room alone: beats and cuts, nothing of the scheduler (whose chores
+    ride on its thread as errands)."""
     found: list[str] = []
     for path in _sources(PACKAGE):
         me = _module_name(path)
         if me != f"{STORE_ROOM}.keys":
             found += key_literals(path)
+        if me.startswith(LIVENESS):
+            allowed = (LIVENESS, STORE_ROOM, "ignite_ext.errors", "ignite_ext._fs")
+            found += [
+                f"{me} imports {target}: liveness stands on the store room only"
+                for target in imports(path)
+                if target.startswith("ignite_ext") and not target.startswith(allowed)
+            ]
         if not me.startswith(STORE_ROOM):
             continue
         for target in imports(path):
@@ -176,6 +185,21 @@ def store_room_violations() -> list[str]:
 
 def test_the_store_room_holds_every_key_and_stands_alone() -> None:
     assert store_room_violations() == []
+
+
+def test_the_store_room_checker_sees_liveness_importing_the_scheduler() -> None:
+    bad = PACKAGE / "distributed" / "liveness" / "_layering_probe.py"
+    bad.write_text("from ignite_ext.distributed._lingering import Lingering\n")
+    try:
+        found = store_room_violations()
+    finally:
+        bad.unlink()
+    assert found == [
+        "ignite_ext.distributed.liveness._layering_probe imports ignite_ext.distributed._lingering: "
+        "liveness stands on the store room only",
+        "ignite_ext.distributed.liveness._layering_probe imports ignite_ext.distributed._lingering.Lingering: "
+        "liveness stands on the store room only",
+    ]
 
 
 def test_the_store_room_checker_sees_a_key_outside_it(tmp_path: Path) -> None:

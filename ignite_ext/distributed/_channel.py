@@ -3,8 +3,8 @@
 Two channels implement one protocol (:class:`Channel`):
 
 * :class:`~ignite_ext.distributed._store_channel.StoreChannel`, on every backend that can reach a store: waits go
-  through the process group's key-value store (:mod:`ignite_ext.distributed._store`; on Horovod and XLA, which
-  have none, a TCPStore that rank 0 hosts: :mod:`ignite_ext.distributed._side_store`), never a collective, so a
+  through the process group's key-value store (:mod:`ignite_ext.distributed.store.clients`; on Horovod and XLA, which
+  have none, a TCPStore that rank 0 hosts: :mod:`ignite_ext.distributed.store.side`), never a collective, so a
   first rank may work far longer than the process group's timeout. Every rank inside a scheduler beats a
   heartbeat key from a daemon thread; a rank whose heartbeat stops (SIGKILL, OOM kill, machine loss) is declared
   dead by whoever waits for it, exactly once, and everyone waiting learns it as a failure instead of hanging.

@@ -9,12 +9,12 @@ import os
 
 import ignite.distributed as idist
 
-from ignite_ext.distributed._channel import Channel
+from ignite_ext.distributed._channel import Channel, log
 from ignite_ext.distributed._collective import CollectiveChannel
-from ignite_ext.distributed._side_store import side_store
 from ignite_ext.distributed._state import GroupState
-from ignite_ext.distributed._store import Store, default_store
 from ignite_ext.distributed._store_channel import StoreChannel
+from ignite_ext.distributed.store.clients import Store, default_store
+from ignite_ext.distributed.store.side import side_store
 
 __all__ = ["make_channel", "scheduler_store"]
 
@@ -23,11 +23,12 @@ def scheduler_store() -> Store | None:
     """The store the store channel uses here, or None where the collective channel runs.
 
     Native backends: the process group's store. Horovod and XLA: the side-channel store of
-    :mod:`ignite_ext.distributed._side_store` (made by every rank together on the first call).
+    :mod:`ignite_ext.distributed.store.side` (made by every rank together on the first call).
     """
     if os.environ.get("IGNITE_EXT_SCHEDULER_CHANNEL", "").lower() == "collective":
         return None
     if idist.model_name() != "native-dist":
+        log()  # set up before the side store says which channel runs (it logs on this logger, without importing it)
         return side_store()
     return default_store()
 

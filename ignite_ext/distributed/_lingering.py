@@ -8,8 +8,8 @@ from __future__ import annotations
 import atexit
 from datetime import timedelta
 
-from ignite_ext.distributed._store import Store, check, origin
 from ignite_ext.distributed.liveness.settings import heartbeat_timeout
+from ignite_ext.distributed.store.clients import Store, check, origin
 from ignite_ext.distributed.store.keys import BlockKeys
 
 __all__ = ["Lingering"]

@@ -31,7 +31,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from ignite_ext import progress
-from ignite_ext.distributed._store import Store, put
+from ignite_ext.distributed.store.clients import Store, put
 from ignite_ext.distributed.store.codecs import encode_progress
 from ignite_ext.errors import RankFailure, RankStalledError
 

@@ -1,17 +1,14 @@
-"""The store channel: waits through the process group's store, heartbeats, and dead ranks declared exactly once.
+"""The store channel's block protocol: entries judged by the last, turns, exits, dead ranks declared exactly once.
 
-See :mod:`ignite_ext.distributed._channel` for the protocol and :mod:`ignite_ext.distributed._store` for the keys.
+See :mod:`ignite_ext.distributed._channel` for the protocol, :mod:`ignite_ext.distributed.store.keys` for the keys
+and :mod:`ignite_ext.distributed._store_waiting` for how a rank waits (one server-side wait per slice on its wake
+key, each step armed on the watchdog).
 
-**No polling.** A waiting rank blocks in one server-side ``store.wait`` on its own wake key for the phase of the
-block it is in (``.../wake/<rank>/<phase>``: the verdict, its turn, every exit). Whoever completes what it waits for
-sets that key: the rank whose ``add`` makes every rank entered, as it posts the verdict (every other rank's keys,
-one ``multi_set``), a rank posting its outcome (the keys of the ranks whose turn comes after it), the rank whose
-exit makes every rank left (every key). Its own heartbeat thread sets it too, once a slice (the log interval, with
-jitter) is over, so that the waiter checks its timeout and logs, and at once when the group has a new cut (ranks
-declared dead). Woken, a waiter reads its condition: met, it returns (the key is its phase's, so it is left for
-the block's cleanup); not met, it deletes the key and reads again before waiting again, so no wake-up is ever lost.
-A wait therefore costs two requests when it is told (the wait and one read) and four per slice otherwise, and a
-waiter is told within a fraction of a millisecond.
+**No polling.** A waiting rank blocks on its own wake key for the phase of the block it is in
+(``.../wake/<rank>/<phase>``: the verdict, its turn, every exit). Whoever completes what it waits for sets that
+key: the rank whose ``add`` makes every rank entered, as it posts the verdict (every other rank's keys, one
+``multi_set``), a rank posting its outcome (the keys of the ranks whose turn comes after it), the rank whose exit
+makes every rank left (every key). A waiter is told within a fraction of a millisecond.
 
 **Liveness.** Which ranks are dead is decided by :mod:`ignite_ext.distributed.liveness`, once for the group: a
 *cut*, the same set on every rank, within ``4/3 T`` of the deaths whatever their number and pattern. A waiter woken
@@ -22,11 +19,8 @@ are woken. A rank found dead after posting its outcome is declared too (see :met
 A rank that finds itself in a cut (it was paused or cut off for longer than ``T``) raises ``RankDiedError`` at its
 next step: the others have given up on it.
 
-**A silent store.** Each step (entry, wait, leave) is armed on the process's watchdog (:meth:`StoreChannel._step`,
-:mod:`ignite_ext.distributed._steps`), which shuts down the connections to the store when a request is ``T``
-overdue or ``timeout=`` is over: a request to a paused or cut-off host would otherwise block until TCP gives up.
-While a rank waits, its heartbeat thread's beats are armed as well, so that a silent store is found within a beat
-and ``T`` although a slice is long.
+**Off the path.** A block's keys are deleted, and a rank's acknowledgement of its outcome sent, by the rank's
+heartbeat thread (:mod:`ignite_ext.distributed._chores`), once every rank has left it.
 
 **Cost** per rank and block, nothing failing: about 11 requests plus 4 per slice waited (see the scheduling
 guide); per beat 2 requests; the last rank to enter additionally reads the N entries (one ``multi_get``), judges
@@ -37,39 +31,23 @@ them and wakes the others (one ``multi_set``): nobody relays the entries to a fi
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
-import random
 import time
 from collections.abc import Callable, Iterable
-from datetime import timedelta
 from typing import TypeVar
 
-import ignite.distributed as idist
-
 from ignite_ext.distributed._channel import Channel, decode_failures, encode_failures, log
+from ignite_ext.distributed._chores import Chores
 from ignite_ext.distributed._lingering import Lingering
 from ignite_ext.distributed._state import GroupState
-from ignite_ext.distributed._steps import store_port, watchdog, watchdog_enabled
-from ignite_ext.distributed._store import (
-    Store,
-    StoreError,
-    ack,
-    check,
-    client_of_this_thread,
-    forget_client_of_this_thread,
-    put,
-    put_once,
-    read,
-    timed_out,
-)
-from ignite_ext.distributed._waiting_line import LOG, SHOW, WaitingLine, waiting_line_role
-from ignite_ext.distributed.liveness import Cut, Heartbeat, beat_interval, heartbeat_timeout, log_interval
+from ignite_ext.distributed._store_waiting import StoreWaiter, guarded
+from ignite_ext.distributed.liveness import Cut, Heartbeat, beat_interval, heartbeat_timeout
 from ignite_ext.distributed.policies import Plan
+from ignite_ext.distributed.store.clients import Store, ack, check, client_of_this_thread, put, put_once, read
 from ignite_ext.distributed.store.codecs import COMPLETE, DEATH_ENTERED, LOST, ExitCount, decode_progress
 from ignite_ext.distributed.store.keys import BlockKeys
-from ignite_ext.errors import RankDiedError, RankFailedError, RankFailure, RankStalledError, StoreLostError
+from ignite_ext.errors import RankDiedError, RankFailedError, RankFailure, RankStalledError
 from ignite_ext.progress import Progress
 
 __all__ = ["StoreChannel"]
@@ -80,21 +58,6 @@ T = TypeVar("T")
 _DIED = RankDiedError.__name__
 # A verdict that is not the judge's but a death at the entry: every rank raises it.
 _DEATH_VERDICT = b"D\n"
-# With timeout=, how long past it a protocol step may still take before the store counts as unreachable.
-_STORE_GRACE_S = 2.0
-
-
-def slice_seconds() -> float:
-    """How long one wait lasts before the waiter checks its timeout and logs: the log interval, with 10 % jitter.
-
-    Many waits expiring together return late on the libuv server: the jitter spreads them.
-
-    Examples:
-        >>> from ignite_ext.distributed._store_channel import slice_seconds
-        >>> 27.0 <= slice_seconds() <= 33.0
-        True
-    """
-    return max(0.05, log_interval()) * random.uniform(0.9, 1.1)
 
 
 def _failures_of(cuts: list[Cut]) -> list[RankFailure]:
@@ -114,7 +77,7 @@ def _ranks(cuts: list[Cut]) -> list[int]:
 class StoreChannel(Channel):
     """Waits through the process group's store; see the module docstring.
 
-    Its keys are those of :class:`~ignite_ext.distributed._store.BlockKeys`: ``out/<rank>`` holds a rank's
+    Its keys are those of :class:`~ignite_ext.distributed.store.clients.BlockKeys`: ``out/<rank>`` holds a rank's
     outcome (written once, by it or by whoever declares it dead), ``exits`` counts the ranks that left (plus
     ``world_size + 1`` for each failed one, so one read tells both), ``fail/<i>`` the failures' details and
     ``acks`` the ranks that have read the outcome.
@@ -129,16 +92,16 @@ class StoreChannel(Channel):
         self.exit_count = ExitCount(world_size)
         self.seq = seq
         self.state = state
-        self.heartbeat = self._guarded(lambda: Heartbeat.ensure(store, rank, world_size))
+        self.heartbeat = guarded(lambda: Heartbeat.ensure(store, rank, world_size), rank, label)
+        self.chores = Chores.of(self.heartbeat)
         # Blocking waits hold a client's lock: this thread's own client, so other threads' store calls never wait.
-        self.client = self._guarded(lambda: client_of_this_thread(store))
+        self.client = guarded(lambda: client_of_this_thread(store), rank, label)
         self.dead: set[int] = set()  # ranks this rank knows died in this block
         self._cuts_seen = 0  # the group's cuts this rank has declared in this block
         self._dependents: list[list[int]] = [[] for _ in range(world_size)]
-        self._started = time.monotonic()
-        self._port = store_port(self.client)  # None: not a TCPStore, nothing to watch (see _step)
-        self._token: int | None = None  # the step under way, on the watchdog
-        self._ends_at = float("inf")
+        self.waiter = StoreWaiter(rank, label, timeout, store, self.client, self.keys, self.chores, self._declare_cuts)
+        self._step = self.waiter.step
+        self._wait = self.waiter.wait
 
     def start(self, plan: Plan) -> None:
         super().start(plan)
@@ -146,7 +109,7 @@ class StoreChannel(Channel):
             for peer in turn.after:
                 self._dependents[peer].append(r)
 
-    # --- waking and waiting ------------------------------------------------------------------------------------
+    # --- waking ------------------------------------------------------------------------------------
 
     def _wake(self, ranks: Iterable[int], phase: str) -> None:
         keys = [self.keys.wake(r, phase) for r in ranks if r != self.rank]
@@ -155,133 +118,6 @@ class StoreChannel(Channel):
 
     def _wake_all(self, phase: str) -> None:
         self._wake(range(self.world_size), phase)
-
-    def _bounded(self) -> float | None:
-        """Seconds left of ``timeout``."""
-        if self.timeout is None:
-            return None
-        return self.timeout - (time.monotonic() - self._started)
-
-    def _step(self, step: Callable[[], T]) -> T:
-        """Run one step of the protocol; give up on a store that stops answering.
-
-        A TCPStore client request to a paused or cut-off host blocks until TCP gives up (about 15 minutes), its
-        own timeout only bounding waits for keys. So each step is armed on this process's watchdog
-        (:mod:`ignite_ext.distributed._steps`): a request :func:`heartbeat_timeout` overdue (a store that silent is
-        as lost as a rank that silent) or, with ``timeout=``, still unanswered when the timeout plus
-        :data:`_STORE_GRACE_S` is over, has its connection shut down, and the step raises ``StoreLostError``.
-        ``IGNITE_EXT_STORE_WATCHDOG=0`` turns the watchdog off (a silent store then blocks until TCP gives up).
-        """
-        if self._port is None or not watchdog_enabled():
-            return self._guarded(step)
-        now = time.monotonic()
-        # A step begun after the timeout (a first rank leaving after working longer) still gets the grace.
-        self._ends_at = (
-            float("inf") if self.timeout is None else max(now, self._started + self.timeout) + _STORE_GRACE_S
-        )
-        dog = watchdog()
-        self._token = dog.arm(min(now + heartbeat_timeout(), self._ends_at), self._port)
-        try:
-            value = self._guarded(step)
-        except StoreLostError as exc:
-            if not dog.disarm(self._token):
-                raise
-            forget_client_of_this_thread(self.store)
-            raise StoreLostError(
-                f"no answer for {time.monotonic() - now:.0f} s",
-                f"rank {self.rank} waiting ({self.label}); the store did not answer: its host is paused or unreachable",
-            ) from exc
-        except BaseException:
-            dog.disarm(self._token)
-            raise
-        if dog.disarm(self._token):  # it answered just as its connections were shut down: they are gone all the same
-            forget_client_of_this_thread(self.store)
-        return value
-
-    def _expect_answer_within(self, seconds: float) -> None:
-        """The request about to be sent may take ``seconds`` (a wait): move the step's deadline accordingly."""
-        if self._token is not None:
-            watchdog().extend(self._token, min(time.monotonic() + seconds + heartbeat_timeout(), self._ends_at))
-
-    def _wait(
-        self,
-        ready: Callable[[], T | None],
-        what: str,
-        phase: str,
-        checked: bool = False,
-        known: T | None = None,
-        about: Callable[[], str] | None = None,
-    ) -> T:
-        """Block until ``ready`` returns a value; one store wait per slice; cuts declared between slices; time out.
-
-        ``phase``: the block's phase (:data:`~ignite_ext.distributed._store.PHASES`), whose wake key the waker sets.
-        ``checked``: the caller has just learnt what ``ready`` would return, ``known`` (no request then).
-        ``about``: what the log line adds (how far the awaited rank got), asked once per line.
-        """
-        value = known if checked else ready()
-        if value is not None:
-            return value
-        role = waiting_line_role(idist.get_local_rank()) if about is not None else LOG
-        line = WaitingLine() if role == SHOW else None
-        try:
-            return self._wait_slices(ready, what, phase, about, role, line)
-        finally:
-            if line is not None:
-                line.end()
-
-    def _wait_slices(
-        self,
-        ready: Callable[[], T | None],
-        what: str,
-        phase: str,
-        about: Callable[[], str] | None,
-        role: str,
-        line: WaitingLine | None,
-    ) -> T:
-        """:meth:`_wait`'s slices; on a terminal (``role``), ``line`` is rewritten at each one instead of logging."""
-        start = logged = time.monotonic()
-        wake = self.keys.wake(self.rank, phase)
-        while True:
-            now = time.monotonic()
-            left = self._bounded()
-            if left is not None and left <= 0:
-                raise TimeoutError(f"rank {self.rank} waited {now - start:.0f} s for {what} ({self.label})")
-            if line is not None and about is not None and now - start >= 0.9 * beat_interval():
-                line.show(f"rank {self.rank} has waited {now - start:.0f} s for {what}{about()}")
-            elif role == LOG and now - logged >= 0.9 * log_interval():  # at a slice's end, about once an interval
-                more = about() if about is not None else ""
-                log().info("rank %d has waited %.0f s for %s (%s)%s", self.rank, now - start, what, self.label, more)
-                logged = now
-            seconds = slice_seconds() if line is None else min(slice_seconds(), max(0.05, beat_interval()))
-            if left is not None:
-                seconds = max(0.01, min(seconds, left))
-            # The tick first, then the look at the cuts: a cut the heartbeat thread adopts after the look sets the
-            # wake key (it wakes every ticked waiter), so none is missed.
-            self.heartbeat.tick(wake, seconds)
-            if self._declare_cuts():
-                self.heartbeat.untick(wake)
-                if (value := ready()) is not None:  # what this rank posted may be what it waits for
-                    return value
-                continue
-            wait_s = seconds + max(5.0, seconds)
-            self._expect_answer_within(wait_s)
-            asked = time.monotonic()
-            try:
-                self.client.wait([wake], timedelta(seconds=wait_s))
-            except StoreError as exc:
-                if not timed_out(exc, time.monotonic() - asked, wait_s):
-                    raise
-                # The tick did not come (the heartbeat thread is gone): a slice all the same.
-            finally:
-                self.heartbeat.untick(wake)
-            self._expect_answer_within(0.0)
-            if (value := ready()) is not None:  # told: the key stays (no later wait of the block uses it)
-                return value
-            # A slice's end, a cut, or a wake-up left by an earlier wait of this phase: re-arm, then look again
-            # before waiting, so that a wake-up between the look above and the delete is not lost.
-            self.client.delete_key(wake)
-            if (value := ready()) is not None:
-                return value
 
     # --- liveness ------------------------------------------------------------------------------------------------
 
@@ -300,7 +136,7 @@ class StoreChannel(Channel):
         return self._step(lambda: self._explain())
 
     def _explain(self) -> RankFailedError | None:
-        wake, ends = self.keys.wake(self.rank, "turn"), time.monotonic() + 4 / 3 * heartbeat_timeout() + beat_interval()
+        ends = time.monotonic() + 4 / 3 * heartbeat_timeout() + beat_interval()
         while True:
             if cuts := self.heartbeat.cuts():
                 self._check_not_declared()
@@ -308,13 +144,7 @@ class StoreChannel(Channel):
             left = ends - time.monotonic()
             if left <= 0:
                 return None
-            self.heartbeat.tick(wake, left)  # ended at once by a cut: the heartbeat thread wakes ticked waiters
-            if not self.heartbeat.cuts():
-                self._expect_answer_within(left + 5.0)
-                with contextlib.suppress(StoreError):
-                    self.client.wait([wake], timedelta(seconds=left + 5.0))
-            self.heartbeat.untick(wake)
-            self.client.delete_key(wake)
+            self.waiter.nap(left, lambda: bool(self.heartbeat.cuts()))
 
     def _unless_declared(self, failures: list[RankFailure]) -> list[RankFailure]:
         """``failures``, unless they name this rank dead: then it raises ``RankDiedError`` (see below).
@@ -456,7 +286,7 @@ class StoreChannel(Channel):
         # their keys any more.
         Lingering.release(self.store)
         for seq in self.state.forget_below(mark):
-            self.heartbeat.delete_later([*BlockKeys(seq).deleted_by(self.rank), *self.state.carried.pop(seq, [])])
+            self.chores.delete_later([*BlockKeys(seq).deleted_by(self.rank), *self.state.carried.pop(seq, [])])
 
     def exchange(self, mine: bytes, judge: Callable[[list[bytes]], bytes]) -> bytes:
         """The last rank to enter reads every entry from the store, judges, and publishes the verdict: no collective.
@@ -490,7 +320,7 @@ class StoreChannel(Channel):
         self._check_not_declared()
         # This entry proves that this rank left the block before: an acknowledgement still pending is moot (and
         # sent after this block's verdict, it could recreate a key already deleted).
-        self.heartbeat.cancel_ack()
+        self.chores.cancel_ack()
         put(client, keys.entry(self.rank), mine)
         if int(client.add(keys.entered, 1)) != self.world_size:
             # Not posted yet (the last rank to enter has yet to come), or posted and this rank's key set already.
@@ -589,7 +419,7 @@ class StoreChannel(Channel):
                 found += decode_failures(self.client.get(self.keys.fail(i)))
             found = _one_per_rank(found)
         if self.rank != 0:
-            self.heartbeat.ack_later(self.keys.acks, self.keys.acked, self.world_size - 1)
+            self.chores.ack_later(self.keys.acks, self.keys.acked, self.world_size - 1)
         elif linger:
             Lingering.hold(self.store, self.keys, self.world_size - 1)
         return self._unless_declared(_one_per_rank(found))
@@ -597,16 +427,3 @@ class StoreChannel(Channel):
     def _left(self, exits: int) -> int | None:
         """``exits`` when it says every rank has left (or the block was ended after a loss), else None."""
         return exits if self.exit_count.left(exits) else None
-
-    def _guarded(self, fn: Callable[[], T]) -> T:
-        try:
-            return fn()
-        except (TimeoutError, RankFailedError):
-            raise
-        except RuntimeError as exc:  # DistStoreError and friends: the store itself is unreachable
-            cause = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            raise StoreLostError(
-                cause,
-                f"rank {self.rank} waiting ({self.label}); the store did not answer: the process hosting it (rank "
-                "0's under env://, node 0's agent under torchrun) has exited, or its host is paused or unreachable",
-            ) from exc

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import ignite.distributed as idist
 
-from ignite_ext.distributed._side_store import SIDE_STORE_MODELS, existing_side_store
-from ignite_ext.distributed._store import Store, default_store
 from ignite_ext.distributed.liveness import Heartbeat
+from ignite_ext.distributed.store.clients import Store, default_store
+from ignite_ext.distributed.store.side import SIDE_STORE_MODELS, existing_side_store
 
 __all__ = ["job_store", "lost_ranks"]
 

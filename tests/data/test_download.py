@@ -141,9 +141,27 @@ def test_5xx_is_retried_then_succeeds(server: TestHTTPServer, tmp_path: Path) ->
     assert [r.status for r in server.requests("/a.bin")] == [500, 500, 200]
 
 
-def test_5xx_exhausts_retries(server: TestHTTPServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def recorded_sleeps(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """This thread's ``time.sleep`` calls, recorded instead of slept; other threads sleep as usual.
+
+    The package's group watcher (started by earlier tests in this process) sleeps a second at a time: its calls
+    must neither be counted as the download's backoff nor return at once.
+    """
     delays: list[float] = []
-    monkeypatch.setattr(time, "sleep", delays.append)
+    real, me = time.sleep, threading.get_ident()
+
+    def sleep(seconds: float) -> None:
+        if threading.get_ident() == me:
+            delays.append(seconds)
+        else:
+            real(seconds)
+
+    monkeypatch.setattr(time, "sleep", sleep)
+    return delays
+
+
+def test_5xx_exhausts_retries(server: TestHTTPServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    delays = recorded_sleeps(monkeypatch)
     url = server.add("/a.bin", DATA)
     server.fault("/a.bin", status=503)
     with pytest.raises(DownloadError, match=r"gave up after 3 attempts.*503"):
@@ -156,8 +174,7 @@ def test_5xx_exhausts_retries(server: TestHTTPServer, tmp_path: Path, monkeypatc
 def test_429_honours_a_small_retry_after(
     server: TestHTTPServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    delays: list[float] = []
-    monkeypatch.setattr(time, "sleep", delays.append)
+    delays = recorded_sleeps(monkeypatch)
     url = server.add("/a.bin", DATA)
     server.fault("/a.bin", status=429, retry_after="2", times=1)
     assert download_url(url, tmp_path, progress=False).read_bytes() == DATA

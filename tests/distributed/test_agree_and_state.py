@@ -15,9 +15,9 @@ from torch.distributed import distributed_c10d
 
 import ignite_ext.distributed as idist
 from ignite_ext.distributed._state import GroupState
-from ignite_ext.distributed._store import default_store
 from ignite_ext.distributed.agreement import disagreement
 from ignite_ext.distributed.policies import Plan, Policy, Turn, World
+from ignite_ext.distributed.store.clients import default_store
 from ignite_ext.distributed.store.keys import BlockKeys, heartbeat_key
 from ignite_ext.errors import ShmSpaceError
 from tests._world import World as ProcessWorld

@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 
 import ignite_ext.distributed as idist
-from ignite_ext.distributed._store import clone, default_store, namespaced, read
 from ignite_ext.distributed.liveness.keeper import process_identity, running
 from ignite_ext.distributed.liveness.watch import CutListener, wire_address
+from ignite_ext.distributed.store.clients import clone, default_store, namespaced, read
 from ignite_ext.distributed.store.keys import NAMESPACE_KEY, cut_key
 from ignite_ext.distributed.store.wire import FLAVOURS, WireStore, flavour_for, prove
 from tests._world import World

@@ -280,7 +280,7 @@ def test_many_back_to_back_blocks_with_frequent_key_cleanup(world: World) -> Non
 
 def body_drains_after_the_others_acknowledged(others_exit: bool) -> dict[str, Any]:
     from ignite_ext.distributed._lingering import Lingering
-    from ignite_ext.distributed._store import read
+    from ignite_ext.distributed.store.clients import read
 
     with idist.one_rank_first():
         pass

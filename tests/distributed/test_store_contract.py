@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 import ignite_ext.distributed as idist
 from benchmarks._store_server import StoreServer
-from ignite_ext.distributed._store import check, clone, endpoint, group_store, namespaced, timed_out
 from ignite_ext.distributed.liveness.watch import wire_address
+from ignite_ext.distributed.store.clients import check, clone, endpoint, group_store, namespaced, timed_out
 from ignite_ext.distributed.store.wire import FLAVOURS, flavour_for
 from tests._world import World, agent_store_env
 

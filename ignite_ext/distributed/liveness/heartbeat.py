@@ -11,10 +11,15 @@ from the moment the watch began.
 **A cut** the detector proposes is posted with ``compare_set`` on ``ignite_ext/cut/<i>`` for the next number
 ``i``: the first proposal of each number wins, the others adopt it (and propose what it lacks as the next
 number); the counter then moves from ``i - 1`` to ``i`` (``compare_set``: exactly once). Every process reads the
-counter at each beat, so each learns of a new cut within ``T/6`` of its posting, reads it (one ``get``) and wakes
-every thread of its own that waits in a scheduled block, which then declares the cut's ranks dead in its block.
+counter at each beat, so each learns of a new cut within ``T/6`` of its posting, reads it (one ``get``) and tells
+its errands (:class:`Errand`): the scheduler's wakes every thread of the process that waits in a scheduled block,
+which then declares the cut's ranks dead in its block.
 The cost of a failure: per suspicion, two reads of ``N`` counters by each watcher of a dead rank; per cut, one
 ``get`` per process.
+
+**Errands.** Beats and cuts are all this module does. A layer above that needs work done off its threads' path
+(the scheduler: wake-up ticks, deferred deletes, acknowledgements, see :mod:`ignite_ext.distributed._chores`)
+hands the thread an :class:`Errand`, run on the thread's client: no second thread per process.
 
 .. versionadded:: 0.3.0
 """
@@ -29,13 +34,15 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
+from typing import Protocol
 
-from ignite_ext.distributed._lingering import Lingering
-from ignite_ext.distributed._steps import store_port, watchdog, watchdog_enabled
-from ignite_ext.distributed._store import (
+from ignite_ext.distributed.liveness.detector import Cut, Detector
+from ignite_ext.distributed.liveness.keeper import process_identity
+from ignite_ext.distributed.liveness.settings import beat_interval, early_heartbeat, heartbeat_timeout, process_watch
+from ignite_ext.distributed.liveness.watch import NOT_YET, CutListener, KeeperHandle, proven_wire
+from ignite_ext.distributed.store.clients import (
     Store,
-    ack,
     check,
     clone,
     default_store,
@@ -44,15 +51,37 @@ from ignite_ext.distributed._store import (
     put_once,
     read,
 )
-from ignite_ext.distributed.liveness.detector import Cut, Detector
-from ignite_ext.distributed.liveness.keeper import process_identity
-from ignite_ext.distributed.liveness.settings import beat_interval, early_heartbeat, heartbeat_timeout, process_watch
-from ignite_ext.distributed.liveness.watch import NOT_YET, CutListener, KeeperHandle, proven_wire
 from ignite_ext.distributed.store.keys import CUTS_KEY, cut_key, heartbeat_key, proc_key
+from ignite_ext.distributed.store.watchdog import store_port, watchdog, watchdog_enabled
 
-__all__ = ["Heartbeat", "watch_for_groups"]
+__all__ = ["Errand", "Heartbeat", "watch_for_groups"]
 
 _log = logging.getLogger(__name__)
+
+
+class Errand(Protocol):
+    """Work of a layer above liveness that rides on the heartbeat thread, on its client (no thread of its own).
+
+    The scheduler's chores are one (:mod:`ignite_ext.distributed._chores`); liveness knows nothing of what they do.
+    Each call must be quick: it delays the next beat.
+
+    .. versionadded:: 0.4.0
+    """
+
+    def fire(self, client: Store) -> float:
+        """Do what is due now; return when the errand next needs the thread (monotonic; ``math.inf``: never)."""
+
+    def after_beat(self, client: Store) -> None:
+        """Run after each beat."""
+
+    def on_cut(self, client: Store) -> None:
+        """Run when this process adopts a cut (after the cut is in :meth:`Heartbeat.cuts`)."""
+
+    def busy(self) -> bool:
+        """Whether a thread of this process waits on the store: the beats are then armed on the watchdog."""
+
+    def end(self, client: Store) -> None:
+        """Run once as the thread leaves (interpreter exit, the process group destroyed)."""
 
 
 class Heartbeat:
@@ -80,14 +109,11 @@ class Heartbeat:
         self.rank = rank
         self._every = beat_interval()
         self._port = store_port(self._client)
-        self._pending: list[str] = []
-        self._ack: tuple[str, str, int] | None = None  # an acknowledgement to send (see ack_later)
-        self._ack_lock = threading.Lock()
+        self._errands: list[Errand] = []
         self._followers: list[Callable[[Store], None]] = []  # called after each beat, with this thread's client
         self._following = threading.Lock()  # held while they run
         self._thread: threading.Thread | None = None
-        self._ticks: dict[str, float] = {}  # wake key -> when to set it
-        # When the thread wakes next unless woken (infinity while it is deciding): a tick due later needs no wake-up.
+        # When the thread wakes next unless woken (infinity while it is deciding): an errand due later needs no wake-up.
         self._sleeps_until = math.inf
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -144,33 +170,27 @@ class Heartbeat:
         with self._lock:
             return list(self._cuts)
 
-    def delete_later(self, keys: Iterable[str]) -> None:
-        """Delete ``keys`` at the next beat (a block's keys, once every rank has left it)."""
+    @property
+    def client(self) -> Store:
+        """This thread's client of the store (its errands' requests go through it)."""
+        return self._client
+
+    def beating(self) -> bool:
+        """Whether the thread runs (False where it was not started, or has ended)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def add_errand(self, errand: Errand) -> None:
+        """Run ``errand`` in this thread from now on (see :class:`Errand`)."""
         with self._lock:
-            self._pending.extend(keys)
+            self._errands.append(errand)
+        self._wake.set()
 
-    def ack_later(self, acks: str, acked: str, expected: int) -> None:
-        """Acknowledge a block's outcome (:func:`~ignite_ext.distributed._store.ack`) at the next beat or exit.
-
-        Only rank 0's process waits for it, and only at its exit (see :mod:`ignite_ext.distributed._lingering`): a
-        request per rank and block on the way to the next block is not worth it. The latest block's replaces an
-        earlier one's, whose hold the next block has released. Without a running thread it is sent at once.
-        """
-        with self._ack_lock:
-            self._ack = (acks, acked, expected)
-        if self._thread is None or not self._thread.is_alive():
-            self._flush_ack()
-
-    def cancel_ack(self) -> None:
-        """Drop the pending acknowledgement (this rank is entering a block); wait for one being sent."""
-        with self._ack_lock:
-            self._ack = None
-
-    def _flush_ack(self) -> None:
-        with self._ack_lock:  # held while sending: cancel_ack returns only once no acknowledgement is on its way
-            pending, self._ack = self._ack, None
-            if pending is not None:
-                ack(self._client, *pending)
+    def wake_by(self, at: float) -> None:
+        """Make the thread look at its errands by ``at`` (monotonic), if it would sleep past it."""
+        with self._lock:
+            due_earlier = at < self._sleeps_until
+        if due_earlier:  # most slices end long after the next beat: waking the thread for them costs every wait
+            self._wake.set()
 
     def follow(self, follower: Callable[[Store], None]) -> None:
         """Call ``follower`` after each beat, in the heartbeat thread, with its client (until :meth:`unfollow`).
@@ -191,19 +211,6 @@ class Heartbeat:
             self._followers.remove(follower)
         if self._following.acquire(timeout=heartbeat_timeout()):
             self._following.release()
-
-    def tick(self, key: str, seconds: float) -> None:
-        """Set ``key`` in ``seconds`` (ends the caller's slice), or at once when a cut comes, unless :meth:`untick`."""
-        with self._lock:
-            at = self._ticks[key] = time.monotonic() + seconds
-            due_earlier = at < self._sleeps_until
-        if due_earlier:  # most slices end long after the next beat: waking the thread for them costs every wait
-            self._wake.set()
-
-    def untick(self, key: str) -> None:
-        """Forget the :meth:`tick` of ``key`` (its waiter is awake)."""
-        with self._lock:
-            self._ticks.pop(key, None)
 
     # --- the thread -------------------------------------------------------------------------------------------------
 
@@ -227,13 +234,13 @@ class Heartbeat:
         )
         if suspect and (cut := detector.on_snapshot(now, self._snapshot())):
             self._propose(cut, detector.silence(now))
-        Lingering.release()
-        self._flush_ack()
-        with self._lock:
-            pending, self._pending = self._pending, []
-        for key in pending:
-            client.delete_key(key)
+        for errand in self._errands_now():
+            errand.after_beat(client)
         return True
+
+    def _errands_now(self) -> list[Errand]:
+        with self._lock:
+            return list(self._errands)
 
     def _snapshot(self) -> dict[int, int | None]:
         """Every other live rank's counter: one ``multi_get`` (per-key reads if some counter was never made)."""
@@ -280,9 +287,8 @@ class Heartbeat:
         self._detector.adopt(cut.ranks, now)
         with self._lock:
             self._cuts.append(cut)
-            due, self._ticks = list(self._ticks), {}
-            for key in due:  # every waiter of this process declares the cut in its block
-                put(self._client, key, b"t")
+        for errand in self._errands_now():  # after the cut is listed: a waiter that looked before is woken
+            errand.on_cut(self._client)
 
     def _start_watching(self) -> None:
         """Start the keeper and the cut listener, where the store's wire address is known and proven.
@@ -353,32 +359,29 @@ class Heartbeat:
         if self._listener is not None:
             self._listener.close()
 
-    def _fire_ticks(self) -> float:
-        """Set the wake keys whose time has come; return the seconds until the next one."""
+    def _fire_errands(self) -> float:
+        """Run what the errands have due; return the seconds until the next is due."""
+        with self._lock:
+            self._sleeps_until = math.inf  # until the thread has chosen its sleep, every wake_by wakes it
         now = time.monotonic()
-        with self._lock:  # under the lock: an untick()ed key is never set afterwards
-            self._sleeps_until = math.inf  # until the thread has chosen its sleep, every tick wakes it
-            due = [key for key, at in self._ticks.items() if at <= now]
-            for key in due:
-                del self._ticks[key]
-                put(self._client, key, b"t")
-            upcoming = min(self._ticks.values(), default=now + 3600.0)
-        return max(0.0, upcoming - now)
+        upcoming = min((errand.fire(self._client) for errand in self._errands_now()), default=math.inf)
+        return max(0.0, min(upcoming, now + 3600.0) - now)
 
     def _run(self) -> None:
         try:
             self._loop()
         finally:
             # Leaving (interpreter exit, the process group destroyed): rank 0 may wait for it at its own exit.
-            with contextlib.suppress(RuntimeError, OSError):
-                self._flush_ack()
+            for errand in self._errands_now():
+                with contextlib.suppress(RuntimeError, OSError):
+                    errand.end(self._client)
             self._end_watching()
 
     def _loop(self) -> None:
         next_beat = time.monotonic() + self._every
         while True:
             try:
-                until_tick = self._fire_ticks()
+                until_tick = self._fire_errands()
                 if self._watching:
                     self._start_watching()
                     until_tick = min(until_tick, max(0.0, self._next_try - time.monotonic()))
@@ -416,7 +419,7 @@ class Heartbeat:
 
     def _armed(self, beat: Callable[[], bool]) -> bool:
         """Run ``beat``, armed on the watchdog while a waiter waits (outside blocks a slow store is not ours to cut)."""
-        if self._port is None or not self._ticks or not watchdog_enabled():
+        if self._port is None or not any(e.busy() for e in self._errands_now()) or not watchdog_enabled():
             return beat()
         dog = watchdog()
         token = dog.arm(time.monotonic() + heartbeat_timeout(), self._port)

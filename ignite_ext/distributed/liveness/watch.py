@@ -22,8 +22,8 @@ import threading
 import uuid
 from collections.abc import Callable
 
-from ignite_ext.distributed._store import Store, endpoint, put_once, read
 from ignite_ext.distributed.liveness import keeper
+from ignite_ext.distributed.store.clients import Store, endpoint, put_once, read
 from ignite_ext.distributed.store.keys import CUTS_KEY, PREFIX_KEY, cut_key, probe_key, proof_key
 from ignite_ext.distributed.store.wire import WireStore, connect_proven, flavour_for
 
@@ -46,7 +46,7 @@ def wire_address(store: Store, rank: int = 0) -> tuple[Address | None, str]:
     Examples:
         >>> import datetime
         >>> import torch.distributed as dist
-        >>> from ignite_ext.distributed._store import namespaced
+        >>> from ignite_ext.distributed.store.clients import namespaced
         >>> from ignite_ext.distributed.liveness.watch import wire_address
         >>> server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=5), wait_for_workers=False)
         >>> (host, port, prefix, flavour), _ = wire_address(namespaced(dist.PrefixStore("job", server)))

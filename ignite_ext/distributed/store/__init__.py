@@ -7,9 +7,15 @@
 * :mod:`~ignite_ext.distributed.store.wire`: a standard-library client of torch's TCPStore protocol (opcodes
   named after torch's ``QueryType``, one table per protocol flavour) and the start-up proof of every opcode used.
 
-The three are standard library only (the keeper loads them by their paths), and the room imports nothing of the
-scheduler's protocol or of liveness, which stand on it. Still outside it: the store clients
-(:mod:`ignite_ext.distributed._store`), the socket watchdog (``_steps``) and the side store (``_side_store``).
+* :mod:`~ignite_ext.distributed.store.clients`: which store the package uses (the group's, or its own namespaced
+  connections where torch has no ``Store.clone``), a client per thread, the small requests and the store errors of
+  every torch admitted;
+* :mod:`~ignite_ext.distributed.store.watchdog`: the watchdog that shuts down the connections to a store that
+  leaves a request unanswered (it finds them in ``/proc/self/net/tcp``);
+* :mod:`~ignite_ext.distributed.store.side`: the store made for backends that bring none (Horovod, XLA).
+
+Keys, codecs and wire are standard library only (the keeper loads them by their paths). The room imports nothing
+of the scheduler's protocol or of liveness, which stand on it (``tests/test_layering.py`` checks both).
 
 Nothing starts or connects at import.
 

@@ -1,7 +1,7 @@
 """Every key the package writes in a process group's store, with its lifetime: the one module that spells them.
 
 Standard library only: the keeper loads it by its path. Every key lives under ``ignite_ext/`` (below the
-package's namespace prefix where torch has no ``Store.clone``, see :mod:`ignite_ext.distributed._store`); values
+package's namespace prefix where torch has no ``Store.clone``, see :mod:`ignite_ext.distributed.store.clients`); values
 are ASCII text (JSON, decimal counters, or the codecs of :mod:`~ignite_ext.distributed.store.codecs`).
 
 .. code-block:: text

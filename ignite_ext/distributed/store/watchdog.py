@@ -33,7 +33,7 @@ def store_port(store: Any) -> int | None:
     Examples:
         >>> import datetime
         >>> import torch.distributed as dist
-        >>> from ignite_ext.distributed._steps import store_port
+        >>> from ignite_ext.distributed.store.watchdog import store_port
         >>> server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=5), wait_for_workers=False)
         >>> store_port(dist.PrefixStore("p", server)) == server.port, store_port(dist.HashStore())
         (True, None)
@@ -74,7 +74,7 @@ class Watchdog:
 
     Examples:
         >>> import time
-        >>> from ignite_ext.distributed._steps import Watchdog
+        >>> from ignite_ext.distributed.store.watchdog import Watchdog
         >>> dog = Watchdog()
         >>> token = dog.arm(time.monotonic() + 60, port=1)  # a step that must hear from port 1 within 60 s
         >>> dog.extend(token, time.monotonic() + 120)  # it waits longer, on purpose

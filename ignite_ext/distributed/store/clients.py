@@ -29,7 +29,6 @@ else:
 __all__ = [
     "Endpoint",
     "Store",
-    "StoreError",
     "ack",
     "check",
     "client_of_this_thread",
@@ -55,7 +54,7 @@ def group_store() -> Store | None:
     The package's own traffic goes through :func:`default_store`, which is made from it.
 
     Examples:
-        >>> from ignite_ext.distributed._store import group_store
+        >>> from ignite_ext.distributed.store.clients import group_store
         >>> group_store() is None  # no process group in this process
         True
 
@@ -75,7 +74,7 @@ def default_store() -> Store | None:
     """The package's store for the default process group: :func:`namespaced` :func:`group_store`, or None.
 
     Examples:
-        >>> from ignite_ext.distributed._store import default_store
+        >>> from ignite_ext.distributed.store.clients import default_store
         >>> default_store() is None  # no process group in this process
         True
 
@@ -123,7 +122,7 @@ def endpoint(store: Store) -> Endpoint | None:
     Examples:
         >>> import datetime
         >>> import torch.distributed as dist
-        >>> from ignite_ext.distributed._store import endpoint
+        >>> from ignite_ext.distributed.store.clients import endpoint
         >>> server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=5), wait_for_workers=False)
         >>> endpoint(server).port == server.port, endpoint(dist.PrefixStore("p", server)), endpoint(dist.HashStore())
         (True, None, None)
@@ -179,7 +178,7 @@ def namespaced(store: Store) -> Store:
     Examples:
         >>> import datetime
         >>> import torch.distributed as dist
-        >>> from ignite_ext.distributed._store import clone, namespaced
+        >>> from ignite_ext.distributed.store.clients import clone, namespaced
         >>> server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=5), wait_for_workers=False)
         >>> group = dist.PrefixStore("default_pg", server)
         >>> ours = namespaced(group)
@@ -219,7 +218,7 @@ def origin(store: Store) -> Store:
     Examples:
         >>> import datetime
         >>> import torch.distributed as dist
-        >>> from ignite_ext.distributed._store import namespaced, origin
+        >>> from ignite_ext.distributed.store.clients import namespaced, origin
         >>> server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=5), wait_for_workers=False)
         >>> group = dist.PrefixStore("default_pg", server)
         >>> origin(namespaced(group)) is group, origin(group) is group
@@ -243,7 +242,8 @@ def _forget_namespaces() -> None:
 os.register_at_fork(after_in_child=_forget_namespaces)
 
 
-#: The error torch's stores raise (``DistStoreError`` from torch 2.2 on; a plain ``RuntimeError`` before).
+#: The error torch's stores raise (``DistStoreError`` from torch 2.2 on; a plain ``RuntimeError`` before). Not in
+#: ``__all__``: a public module exports no error class but those of ``ignite_ext.errors``.
 StoreError: type[RuntimeError] = getattr(torch.distributed, "DistStoreError", RuntimeError)
 
 
@@ -256,7 +256,7 @@ def timed_out(exc: BaseException, waited: float | None = None, asked: float | No
     that error is a time-out when it came once the timeout had passed (a broken connection fails at once).
 
     Examples:
-        >>> from ignite_ext.distributed._store import timed_out
+        >>> from ignite_ext.distributed.store.clients import timed_out
         >>> timed_out(RuntimeError("Socket Timeout")), timed_out(RuntimeError("Connection reset by peer"))
         (True, False)
         >>> lost = RuntimeError("failed to format addr, unknown family=0")
@@ -302,7 +302,7 @@ def check(store: Store, keys: list[str]) -> bool:
 
     Examples:
         >>> import torch.distributed as dist
-        >>> from ignite_ext.distributed._store import check
+        >>> from ignite_ext.distributed.store.clients import check
         >>> store = dist.HashStore(); store.set("a", "1")
         >>> check(store, ["a"]), check(store, ["a", "b"])
         (True, False)
@@ -332,7 +332,7 @@ def ack(store: Store, acks: str, acked: str, expected: int) -> None:
 
     Examples:
         >>> import torch.distributed as dist
-        >>> from ignite_ext.distributed._store import ack, read
+        >>> from ignite_ext.distributed.store.clients import ack, read
         >>> store = dist.HashStore()
         >>> ack(store, "acks", "acked", 2); read(store, "acked")
         >>> ack(store, "acks", "acked", 2); read(store, "acked")
@@ -353,7 +353,7 @@ def clone(store: Store) -> Store:
     Examples:
         >>> import datetime
         >>> import torch.distributed as dist
-        >>> from ignite_ext.distributed._store import clone
+        >>> from ignite_ext.distributed.store.clients import clone
         >>> server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=5), wait_for_workers=False)
         >>> other = clone(server); other.set("k", "v"); other is server, server.get("k")
         (False, b'v')

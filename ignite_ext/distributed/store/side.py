@@ -14,13 +14,14 @@ together:
 
 Cost: one broadcast and one all-reduce of O(1) bytes per rank, once per world; then what the store channel costs.
 The server lives in rank 0's process, as under ``env://`` launches: rank 0 keeps it up at exit until the others
-have read its last block (see :class:`~ignite_ext.distributed._heartbeat.Lingering`).
+have read its last block (see :class:`~ignite_ext.distributed._lingering.Lingering`).
 
 .. versionadded:: 0.2.0
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import weakref
@@ -30,9 +31,7 @@ from typing import TYPE_CHECKING, Any
 import ignite.distributed as idist
 import ignite.distributed.utils as idist_utils
 
-from ignite_ext.distributed._channel import log
-from ignite_ext.distributed._store import Store
-from ignite_ext.distributed.liveness.settings import env_float
+from ignite_ext.distributed.store.clients import Store
 
 if TYPE_CHECKING:  # as Store: declared in the stub of torch's extension, exported by torch.distributed
     from torch._C._distributed_c10d import TCPStore
@@ -47,6 +46,9 @@ SIDE_STORE_MODELS = ("horovod-dist", "xla-dist")
 # Client calls other than the scheduler's bounded waits: the value torch's own stores use.
 _OPERATION_TIMEOUT = timedelta(seconds=300)
 
+# The scheduler's logger (set up by its caller): the room imports nothing of the scheduler.
+_log = logging.getLogger("ignite_ext.distributed")
+
 # One per world: the computation model object idist holds while that world lives.
 _BY_MODEL: weakref.WeakKeyDictionary[Any, Store | None] = weakref.WeakKeyDictionary()
 
@@ -56,7 +58,7 @@ def store_address() -> str:
 
     Examples:
         >>> import os
-        >>> from ignite_ext.distributed._side_store import store_address
+        >>> from ignite_ext.distributed.store.side import store_address
         >>> os.environ["IGNITE_EXT_STORE_ADDR"] = "10.0.0.7"
         >>> store_address()
         '10.0.0.7'
@@ -88,7 +90,7 @@ def _connect(address: str) -> Store | None:
             int(port),
             None,
             False,
-            timedelta(seconds=env_float("IGNITE_EXT_STORE_CONNECT_TIMEOUT", 30.0)),
+            timedelta(seconds=_connect_timeout()),
             wait_for_workers=False,
             use_libuv=True,
         )
@@ -96,6 +98,14 @@ def _connect(address: str) -> Store | None:
         return None
     client.set_timeout(_OPERATION_TIMEOUT)
     return client
+
+
+def _connect_timeout() -> float:
+    """``IGNITE_EXT_STORE_CONNECT_TIMEOUT`` seconds, 30 when unset or not a number."""
+    try:
+        return float(os.environ.get("IGNITE_EXT_STORE_CONNECT_TIMEOUT", "30"))
+    except ValueError:
+        return 30.0
 
 
 def existing_side_store() -> Store | None:
@@ -113,7 +123,7 @@ def side_store() -> Store | None:
     calls it on entering its first block). Later calls cost nothing.
 
     Examples:
-        >>> from ignite_ext.distributed._side_store import side_store
+        >>> from ignite_ext.distributed.store.side import side_store
         >>> side_store() is None  # no Horovod or XLA world in this process
         True
 
@@ -138,8 +148,8 @@ def side_store() -> Store | None:
     if reason:
         store = None
         if rank == 0:
-            log().warning("scheduler: collective channel on %s (%s)", idist.backend(), reason)
+            _log.warning("scheduler: collective channel on %s (%s)", idist.backend(), reason)
     elif rank == 0:
-        log().info("scheduler: store channel on %s, through a TCPStore at %s", idist.backend(), shared)
+        _log.info("scheduler: store channel on %s, through a TCPStore at %s", idist.backend(), shared)
     _BY_MODEL[model] = store
     return store
