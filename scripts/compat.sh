@@ -25,7 +25,7 @@ PAIRS=("$@")
 [ ${#PAIRS[@]} -gt 0 ] || PAIRS=("2.1.2:0.5.1" "2.5.1:0.5.1" "2.13.0:0.5.5" "2.14.1:0.5.5")
 
 CONTRACT=(tests/distributed/test_store_contract.py tests/distributed/test_process_watch.py
-  ignite_ext/distributed/store ignite_ext/distributed/store/clients.py)
+  ignite_ext/distributed/store)
 FULL=("${CONTRACT[@]}" tests/distributed/test_liveness.py tests/distributed/test_fault_sweep.py
   tests/backends/test_matrix.py tests/test_examples.py)
 

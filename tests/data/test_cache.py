@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import multiprocessing as mp
 import os
@@ -524,3 +525,45 @@ def test_readers_reach_a_cache_whose_creator_already_deleted_it() -> None:
     assert sorted(epoch(loader(ds))) == list(range(8))  # forked workers: their lock reopened through /proc
     assert ds.stats().entries == 8
     ds.close()
+
+
+# The memory budget: many small samples, so that a cost per sample and process shows (the regression this guards
+# against was about 7 KiB per sample in every process: 110 MiB per process here), while one copy of the samples
+# (4 MiB) does not matter. Measured here: a cached worker 2-3 MiB above an in-memory dataset's (the cache's
+# modules and its arena's mapping), the main process 1.5-4.5 MiB below, run to run within 1 MiB.
+_BUDGET_SAMPLES, _BUDGET_NUMEL = 16384, 64
+#: KiB a cached epoch's process may hold beyond the in-memory dataset's: 2.5x the difference measured, 1/14 of the
+#: regression above.
+_BUDGET_KIB = 8 << 10
+
+
+def _probe(kind: str) -> dict[str, Any]:
+    argv = [sys.executable, "-m", "tests.data._memory_probe", kind, str(_BUDGET_SAMPLES), str(_BUDGET_NUMEL)]
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return found
+
+
+def _over_budget(mem: dict[str, Any], cached: dict[str, Any]) -> list[str]:
+    assert len(mem["workers"]) == len(cached["workers"]) == 2, (mem, cached)
+    over = []
+    if cached["main"] > mem["main"] + _BUDGET_KIB:
+        over.append(f"main process {cached['main']} KiB, in-memory {mem['main']} KiB")
+    if max(cached["workers"]) > max(mem["workers"]) + _BUDGET_KIB:
+        over.append(f"workers {cached['workers']} KiB, in-memory {mem['workers']} KiB")
+    total_mem, total_cached = mem["main"] + sum(mem["workers"]), cached["main"] + sum(cached["workers"])
+    if total_cached > 1.05 * total_mem:
+        over.append(f"all processes {total_cached} KiB, over 1.05x in-memory's {total_mem} KiB")
+    return over
+
+
+def test_a_cached_epoch_holds_no_more_memory_per_process_than_an_in_memory_dataset() -> None:
+    # PSS of every process half-way through the cached epoch (what a user's top shows), each variant in a fresh
+    # interpreter with 2 fork workers; the samples' own pages are a few MiB and count on both sides. The budget
+    # must also see a cost per sample: a cache that keeps 7 KiB per read is over it.
+    mem = _probe("in-memory")
+    assert _over_budget(mem, _probe("cached")) == []
+    leaky = _over_budget(mem, _probe("leaky"))
+    assert [line.split()[0] for line in leaky] == ["workers", "all"], leaky
