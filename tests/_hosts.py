@@ -179,6 +179,19 @@ class Host:
         """Set the host's link down: its processes live on, but nothing reaches them nor leaves them."""
         _ip("link", "set", self.veth, "down")
 
+    def filter_port(self, port: int) -> None:
+        """Drop every TCP packet that reaches this host for ``port`` from the bed, as a firewall does: no answer.
+
+        A policy-routing rule that routes such packets to a blackhole, placed before the local table's rule (which
+        moves behind it), so that a connection to the port from another host gets no reply, not even a reset, and
+        the host's own connections to it (loopback) and every other port work as before.
+        """
+        rules = (
+            "rule add pref 100 lookup local\nrule del pref 0\n"
+            f"rule add pref 50 iif eth0 ipproto tcp dport {port} blackhole\n"
+        )
+        _ip("-batch", "-", stdin=rules, netns_of=self.init)
+
     def sees(self, path: Path, bed: HostBed) -> Path:
         """Where this host sees ``path``, a path under the bed's shared directory."""
         return self.shared / path.relative_to(bed.shared)

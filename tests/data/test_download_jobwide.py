@@ -575,3 +575,32 @@ def test_relays_on_a_filtered_port_send_a_holder_to_the_origin_after_one_connect
     finally:
         for sock in [listener, *queued]:
             sock.close()
+
+
+def _two_free_ports() -> range:
+    """Two adjacent ports that nothing listens on at 127.0.0.1 (looked for from a free one)."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            first = probe.getsockname()[1]
+        with contextlib.suppress(OSError), socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", first))
+            b.bind(("127.0.0.1", first + 1))
+            return range(first, first + 2)
+    pytest.skip("no two adjacent free ports on 127.0.0.1")
+
+
+def test_a_relay_listens_on_the_first_free_port_of_its_range() -> None:
+    ports = _two_free_ports()
+    growing = Growing()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", ports[0]))
+        taken.listen()
+        server = RelayServer(growing, b"s" * 32, "file-1", "127.0.0.1", io_timeout=5.0, ports=ports)
+        try:
+            assert server.address == ("127.0.0.1", ports[1])
+            with pytest.raises(OSError, match=f"no free port in {ports[0]}-{ports[0]}"):
+                RelayServer(growing, b"s" * 32, "file-1", "127.0.0.1", io_timeout=5.0, ports=range(ports[0], ports[1]))
+        finally:
+            server.stop()
+            growing.close()

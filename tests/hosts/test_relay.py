@@ -1,6 +1,7 @@
 """One fetch per job across simulated hosts: an origin behind a link shaped by ``tc``, three hosts with their own
 ``/tmp``. The origin sends the file once; a relay host killed or cut off mid-transfer leaves verified copies on
-the others, still with the file sent once (the host after it resumes from the one before it)."""
+the others, still with the file sent once (the host after it resumes from the one before it); a host whose relay
+port a firewall drops costs the one after it one connection time-out and a fetch from the origin, not a hang."""
 
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ def bed4(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     return make_bed(request, tmp_path_factory.mktemp("relay"), 4)
 
 
-def _job(bed: HostBed, served: Origin, sha256: str | None, stagger: float) -> Job:
-    env = {"IGNITE_EXT_HEARTBEAT_TIMEOUT": str(T)}
+def _job(bed: HostBed, served: Origin, sha256: str | None, stagger: float, **extra: str) -> Job:
+    env = {"IGNITE_EXT_HEARTBEAT_TIMEOUT": str(T), **extra}
     body = "tests.hosts._bodies:fetch_for_job"
     return torchrun(bed, body, served.url, sha256, stagger, nproc_per_node=1, env=env, hosts=JOB_HOSTS)
 
@@ -67,3 +68,29 @@ def test_a_relay_host_lost_mid_transfer_leaves_verified_copies_on_the_others(bed
     record = served.record()
     assert record["bytes"] == len(DATA), record
     assert records[2]["value"]["done"] - struck <= 4 / 3 * T + 3.0 + T, records[2]["value"]["done"] - struck
+
+
+#: The relays' port: below the system's ephemeral range (32768-60999), so that no gloo or store socket takes it.
+RELAY_PORT = 20000
+
+
+def test_a_host_whose_relay_port_is_filtered_costs_one_connection_timeout_not_a_hang(bed4: HostBed) -> None:
+    # Every host's relay listens on RELAY_PORT (IGNITE_EXT_RELAY_PORTS); host 1's firewall drops it. Holders join in
+    # host order: rank 1 (host 2) finds host 1's relay silent, gives up after one connection time-out and fetches
+    # from the origin; rank 2 (host 3) relays from host 2 as usual. The kernel alone would retry a silent connect
+    # for 127 s (tcp_syn_retries = 6), three tries per holder before; the bound is one time-out, the file twice
+    # at the origin's rate (the two fetches share its link), and 4 T for the block's waits on a loaded machine.
+    from ignite_ext.data.download._relay_client import CONNECT_TIMEOUT_S
+
+    bed4.hosts[1].filter_port(RELAY_PORT)
+    served = origin(bed4, bed4.hosts[0], DATA, RATE)
+    job = _job(bed4, served, None, 0.5, IGNITE_EXT_RELAY_PORTS=str(RELAY_PORT))
+    values = job.values(timeout=180)
+    assert [v["ok"] for v in values] == [True] * 3, values
+    assert {v["sha"] for v in values} == {SHA}
+    record = served.record()
+    assert record["bytes"] == 2 * len(DATA), record  # host 1's fetch and host 2's: host 3 got it from host 2
+    assert len(record["requests"]) == 2, record
+    took = values[1]["done"] - job.marks("entering")[1]
+    # At least the time-out: host 1's relay port was silent, not refused (the filter holds).
+    assert CONNECT_TIMEOUT_S <= took <= CONNECT_TIMEOUT_S + 2 * len(DATA) / RATE + 4 * T, took

@@ -12,6 +12,7 @@ It serves nothing else: no other file, no listing, no write, whatever the reques
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import selectors
@@ -133,20 +134,41 @@ class Growing:
             return self.prefix, self.generation, self.ended
 
 
+def _listen(host: str, ports: range) -> socket.socket:
+    """A socket listening on ``host`` at the first free port of ``ports`` (``range(0, 1)``: any port).
+
+    Raises:
+        OSError: no port of ``ports`` is free.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    for port in ports:
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            listener.bind((host, port))
+            listener.listen(64)
+            return listener
+        except OSError as exc:
+            listener.close()
+            if exc.errno != errno.EADDRINUSE:
+                raise
+    raise OSError(errno.EADDRINUSE, f"no free port in {ports.start}-{ports.stop - 1} on {host}")
+
+
 class RelayServer:
     """Serves one :class:`Growing` file to clients that hold ``secret``, on ``host``, until :meth:`stop`.
+
+    ``ports``: where it may listen (the first free one; ``range(0, 1)``, any port the system gives).
 
     Each connection gets a daemon thread; a client that stops reading for ``io_timeout`` seconds is dropped.
 
     .. versionadded:: 0.3.0
     """
 
-    def __init__(self, growing: Growing, secret: bytes, file_id: str, host: str, io_timeout: float) -> None:
+    def __init__(
+        self, growing: Growing, secret: bytes, file_id: str, host: str, io_timeout: float, ports: range = range(0, 1)
+    ) -> None:
         self.growing, self._secret, self._file_id, self._io_timeout = growing, secret, file_id, io_timeout
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._listener = socket.socket(family, socket.SOCK_STREAM)
-        self._listener.bind((host, 0))
-        self._listener.listen(64)
+        self._listener = _listen(host, ports)
         self.address: tuple[str, int] = (host, self._listener.getsockname()[1])
         self._stopped = threading.Event()
         self._conns: set[socket.socket] = set()

@@ -36,6 +36,7 @@ __all__ = [
     "RELAYED",
     "RELAY_ADDR_ENV",
     "RELAY_ENV",
+    "RELAY_PORTS_ENV",
     "Member",
     "Relaying",
     "from_relays",
@@ -43,12 +44,50 @@ __all__ = [
     "hand_over",
     "in_this_block",
     "relay_host",
+    "relay_ports",
 ]
 
 logger = logging.getLogger("ignite_ext.data.download")
 
 #: The address a holder's relay listens on, where the one that reaches the job's store is not the right one.
 RELAY_ADDR_ENV = "IGNITE_EXT_RELAY_ADDR"
+
+
+#: The ports a holder's relay may listen on (``first-last``), where a firewall lets only those through; unset: any.
+RELAY_PORTS_ENV = "IGNITE_EXT_RELAY_PORTS"
+
+
+def relay_ports() -> range:
+    """The ports a relay may listen on: ``IGNITE_EXT_RELAY_PORTS`` (``45000-45099``, or one port), else any (0).
+
+    Examples:
+        >>> import os
+        >>> from ignite_ext.data.download._relaying import relay_ports
+        >>> relay_ports()
+        range(0, 1)
+        >>> os.environ["IGNITE_EXT_RELAY_PORTS"] = "45000-45099"
+        >>> relay_ports()
+        range(45000, 45100)
+        >>> os.environ["IGNITE_EXT_RELAY_PORTS"] = "45000-44000"
+        >>> relay_ports()
+        Traceback (most recent call last):
+        ...
+        ValueError: IGNITE_EXT_RELAY_PORTS='45000-44000': expected a port or a range 'first-last' of 1-65535
+        >>> del os.environ["IGNITE_EXT_RELAY_PORTS"]
+
+    .. versionadded:: 0.4.0
+    """
+    text = os.environ.get(RELAY_PORTS_ENV, "").strip()
+    if not text:
+        return range(0, 1)
+    first, _, last = text.partition("-")
+    try:
+        ports = range(int(first), int(last or first) + 1)
+    except ValueError:
+        ports = range(0)
+    if not ports or ports.start < 1 or ports.stop > 65536:
+        raise ValueError(f"{RELAY_PORTS_ENV}={text!r}: expected a port or a range 'first-last' of 1-65535")
+    return ports
 
 
 def relay_host() -> str:
@@ -118,7 +157,8 @@ class Relaying:
         server: RelayServer | None = None
         try:
             secret = chain.secret()
-            server = RelayServer(growing, secret, chain.file, relay_host(), io_timeout=job.timeout + job.low_speed_time)
+            io_timeout = job.timeout + job.low_speed_time
+            server = RelayServer(growing, secret, chain.file, relay_host(), io_timeout, ports=relay_ports())
             place = chain.join()
             chain.post(Holder(place, self.rank, *server.address))
         except (OSError, RuntimeError, ValueError) as exc:  # socket errors, the store's (RuntimeError), bad JSON
