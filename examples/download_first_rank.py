@@ -65,9 +65,12 @@ def training(local_rank: int, root: str, url: str, sha256: str | None) -> None:
         outcome = f"RankFailedError: {exc}"
     except Exception as exc:  # this rank's own block failed (with --fail, rank 0's download)
         outcome = f"{type(exc).__name__}: {exc}"
+    # Gathered before the ordered block, so that a block, not a gloo collective, comes last before the group is
+    # destroyed: torch before its fix of June 2025 (pytorch/pytorch#56297) can deadlock at exit when the group is
+    # destroyed while gloo's thread still frees the last collective's tensors.
+    flags = idist.all_gather(torch.tensor([int(downloaded)]))
     with idist.rank_scheduler(order=idist.Ordered()):
         print(f"rank {rank}: download={first}; {outcome}", flush=True)
-    flags = idist.all_gather(torch.tensor([int(downloaded)]))
     if rank == 0:
         print(f"downloaded by ranks {[r for r, f in enumerate(flags.tolist()) if f]}", flush=True)
 
