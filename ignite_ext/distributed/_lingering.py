@@ -23,7 +23,7 @@ class Lingering:
     rank 0 keeps the store alive and, at interpreter exit, waits (bounded, on one key) until the others
     acknowledged. The next block needs nothing: its entry proves everyone finished the previous one. So the others
     acknowledge off the blocks' path, at their heartbeat's next beat (``T/6``) or their own exit, whichever comes
-    first (:meth:`~ignite_ext.distributed.liveness.Heartbeat.ack_later`), and only their latest block.
+    first (:meth:`~ignite_ext.distributed._chores.Chores.ack_later`), and only their latest block.
     """
 
     pending: tuple[Store, BlockKeys, int] | None = None

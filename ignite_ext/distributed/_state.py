@@ -3,7 +3,7 @@
 That is the next sequence number, which blocks this process has left (so that their store keys can be deleted once
 every rank has left them), and per thread how deep it is inside blocks and which world the outermost one agreed on.
 
-The sequence number names a block in the store (:class:`~ignite_ext.distributed.store.clients.BlockKeys`): every rank
+The sequence number names a block in the store (:class:`~ignite_ext.distributed.store.keys.BlockKeys`): every rank
 enters the blocks of a group in the same order, so the same number names the same block on every rank. It belongs
 to the group (a new process group starts a new store, and numbers from 0), and is taken under a lock, so two
 threads entering blocks at once never share one. Nesting is per thread: a scheduler entered by another thread

@@ -77,7 +77,7 @@ def _ranks(cuts: list[Cut]) -> list[int]:
 class StoreChannel(Channel):
     """Waits through the process group's store; see the module docstring.
 
-    Its keys are those of :class:`~ignite_ext.distributed.store.clients.BlockKeys`: ``out/<rank>`` holds a rank's
+    Its keys are those of :class:`~ignite_ext.distributed.store.keys.BlockKeys`: ``out/<rank>`` holds a rank's
     outcome (written once, by it or by whoever declares it dead), ``exits`` counts the ranks that left (plus
     ``world_size + 1`` for each failed one, so one read tells both), ``fail/<i>`` the failures' details and
     ``acks`` the ranks that have read the outcome.
@@ -99,9 +99,7 @@ class StoreChannel(Channel):
         self.dead: set[int] = set()  # ranks this rank knows died in this block
         self._cuts_seen = 0  # the group's cuts this rank has declared in this block
         self._dependents: list[list[int]] = [[] for _ in range(world_size)]
-        self.waiter = StoreWaiter(rank, label, timeout, store, self.client, self.keys, self.chores, self._declare_cuts)
-        self._step = self.waiter.step
-        self._wait = self.waiter.wait
+        self.waiter = StoreWaiter(rank, label, timeout, store, self.client, self.keys, self.chores)
 
     def start(self, plan: Plan) -> None:
         super().start(plan)
@@ -109,7 +107,21 @@ class StoreChannel(Channel):
             for peer in turn.after:
                 self._dependents[peer].append(r)
 
-    # --- waking ------------------------------------------------------------------------------------
+    # --- waking and waiting ------------------------------------------------------------------------------------
+
+    def _step(self, step: Callable[[], T]) -> T:
+        return self.waiter.step(step)
+
+    def _wait(
+        self,
+        ready: Callable[[], T | None],
+        what: str,
+        phase: str,
+        checked: bool = False,
+        known: T | None = None,
+        about: Callable[[], str] | None = None,
+    ) -> T:
+        return self.waiter.wait(ready, what, phase, self._declare_cuts, checked, known, about)
 
     def _wake(self, ranks: Iterable[int], phase: str) -> None:
         keys = [self.keys.wake(r, phase) for r in ranks if r != self.rank]
@@ -385,7 +397,7 @@ class StoreChannel(Channel):
         if not put_once(client, self.keys.outcome(self.rank), encode_failures([failure]) + b"\n%d" % self.rank):
             return False
         log().warning("rank %d: %s (%s)", self.rank, failure.message, self.label)
-        stalled = copy.copy(self)
+        stalled = copy.copy(self)  # its waiter stays the main thread's: nothing below waits
         stalled.client = client
         stalled._wake(self._dependents[self.rank], "turn")
         stalled._record_exit([failure])

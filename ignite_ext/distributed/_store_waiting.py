@@ -93,8 +93,9 @@ def guarded(fn: Callable[[], T], rank: int, label: str) -> T:
 class StoreWaiter:
     """One rank's waiting in one block, on this thread's ``client`` of ``store``: see the module docstring.
 
-    ``declare_cuts`` is the protocol's: it declares the group's new cuts in the block (True if there were any), and
-    raises if this rank is in one.
+    It holds nothing of the protocol (what a wait declares between slices comes with each :meth:`wait`), so that a
+    block's channel and its waiter are freed as the block ends, not by the cycle collector: the channel holds the
+    store, whose heartbeat beats until the store is freed.
 
     .. versionadded:: 0.4.0
     """
@@ -108,7 +109,6 @@ class StoreWaiter:
         client: Store,
         keys: BlockKeys,
         chores: Chores,
-        declare_cuts: Callable[[], bool],
     ) -> None:
         self.rank = rank
         self.label = label
@@ -117,7 +117,6 @@ class StoreWaiter:
         self._client = client
         self._keys = keys
         self._chores = chores
-        self._declare_cuts = declare_cuts
         self._started = time.monotonic()
         self._port = store_port(client)  # None: not a TCPStore, nothing to watch (see step)
         self._token: int | None = None  # the step under way, on the watchdog
@@ -175,12 +174,15 @@ class StoreWaiter:
         ready: Callable[[], T | None],
         what: str,
         phase: str,
+        declare_cuts: Callable[[], bool],
         checked: bool = False,
         known: T | None = None,
         about: Callable[[], str] | None = None,
     ) -> T:
         """Block until ``ready`` returns a value; one store wait per slice; cuts declared between slices; time out.
 
+        ``declare_cuts``: the protocol's; it declares the group's new cuts in the block (True if there were any),
+        and raises if this rank is in one.
         ``phase``: the block's phase (:data:`~ignite_ext.distributed.store.keys.PHASES`), whose wake key the waker
         sets. ``checked``: the caller has just learnt what ``ready`` would return, ``known`` (no request then).
         ``about``: what the log line adds (how far the awaited rank got), asked once per line.
@@ -191,7 +193,7 @@ class StoreWaiter:
         role = waiting_line_role(idist.get_local_rank()) if about is not None else LOG
         line = WaitingLine() if role == SHOW else None
         try:
-            return self._wait_slices(ready, what, phase, about, role, line)
+            return self._wait_slices(ready, what, phase, declare_cuts, about, role, line)
         finally:
             if line is not None:
                 line.end()
@@ -201,6 +203,7 @@ class StoreWaiter:
         ready: Callable[[], T | None],
         what: str,
         phase: str,
+        declare_cuts: Callable[[], bool],
         about: Callable[[], str] | None,
         role: str,
         line: WaitingLine | None,
@@ -226,7 +229,7 @@ class StoreWaiter:
             # The tick first, then the look at the cuts: a cut the heartbeat thread adopts after the look sets the
             # wake key (it wakes every ticked waiter), so none is missed.
             chores.tick(wake, seconds)
-            if self._declare_cuts():
+            if declare_cuts():
                 chores.untick(wake)
                 if (value := ready()) is not None:  # what this rank posted may be what it waits for
                     return value

@@ -111,3 +111,24 @@ def test_the_package_reaches_the_group_store_on_its_own_clients() -> None:
     assert timed_out(caught.value, time.monotonic() - asked, 0.2), caught.value
     address, why = wire_address(ours, rank=0)  # every opcode proven against torch's own client
     assert address is not None and address[3] == ours_flavour and ours_flavour in FLAVOURS, why
+
+
+def test_a_blocks_channel_is_freed_when_the_block_lets_go_of_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The channel holds the store, and the store's heartbeat beats until the store is freed: a reference cycle
+    # between the channel and its waiter would keep both until the cycle collector happens to run.
+    import gc
+    import weakref
+
+    from ignite_ext.distributed._state import GroupState
+    from ignite_ext.distributed._store_channel import StoreChannel
+
+    monkeypatch.setenv("IGNITE_EXT_PROCESS_WATCH", "0")
+    store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=5), wait_for_workers=False)
+    gc.disable()
+    try:
+        channel = StoreChannel(0, 2, "block 1", None, store, 1, GroupState())
+        freed = weakref.ref(channel)
+        del channel
+        assert freed() is None
+    finally:
+        gc.enable()

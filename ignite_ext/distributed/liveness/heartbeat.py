@@ -256,7 +256,7 @@ class Heartbeat:
         return beats
 
     def _learn(self, counted: int, heard: int, now: float) -> None:
-        """Read the cuts posted since the last beat, adopt them, and wake this process's waiters.
+        """Read the cuts posted since the last beat, adopt them, and tell the errands (the scheduler wakes its waiters).
 
         ``counted`` is the group's cut counter, ``heard`` the highest cut whose key the listener saw written: its
         poster moves the counter right after, and this rank does it in its stead (one ``compare_set``, once).

@@ -46,7 +46,8 @@ SIDE_STORE_MODELS = ("horovod-dist", "xla-dist")
 # Client calls other than the scheduler's bounded waits: the value torch's own stores use.
 _OPERATION_TIMEOUT = timedelta(seconds=300)
 
-# The scheduler's logger (set up by its caller): the room imports nothing of the scheduler.
+# The scheduler's logger, which the caller sets up (``_channel_choice.scheduler_store`` does, before the first call):
+# the room imports nothing of the scheduler. Without it set up, the warning still reaches stderr, the info line not.
 _log = logging.getLogger("ignite_ext.distributed")
 
 # One per world: the computation model object idist holds while that world lives.
