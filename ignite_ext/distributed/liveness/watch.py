@@ -23,7 +23,7 @@ import uuid
 from collections.abc import Callable
 
 from ignite_ext.distributed.liveness import keeper
-from ignite_ext.distributed.store.clients import Store, endpoint, put_once, read
+from ignite_ext.distributed.store.clients import Store, endpoint, innermost, put_once, read
 from ignite_ext.distributed.store.keys import CUTS_KEY, PREFIX_KEY, cut_key, probe_key, proof_key
 from ignite_ext.distributed.store.wire import WireStore, connect_proven, flavour_for
 
@@ -67,12 +67,6 @@ def wire_address(store: Store, rank: int = 0) -> tuple[Address | None, str]:
 NOT_YET = "rank 0 has not published the store's key prefix yet"
 
 
-def _innermost(store: Store) -> Store:
-    while hasattr(store, "underlying_store"):
-        store = store.underlying_store
-    return store
-
-
 def _discover(store: Store, raw: Store) -> str | None:
     """The prefix ``store`` puts before keys, found by writing a probe key through it and listing the server's keys.
 
@@ -107,7 +101,7 @@ def _place(store: Store, rank: int) -> tuple[str, int, str] | str:
     place = endpoint(store)
     if place is not None:  # the package's own namespace (torch without Store.clone), or a bare TCPStore
         return place.host, place.port, place.wire_prefix
-    raw = _innermost(store)
+    raw = innermost(store)
     host, port = getattr(raw, "host", None), getattr(raw, "port", None)
     if not isinstance(host, str) or not isinstance(port, int):
         return "not a TCPStore the package reaches on its own"

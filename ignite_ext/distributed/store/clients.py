@@ -37,6 +37,7 @@ __all__ = [
     "endpoint",
     "forget_client_of_this_thread",
     "group_store",
+    "innermost",
     "namespaced",
     "origin",
     "put",
@@ -110,7 +111,18 @@ _NAMESPACED: weakref.WeakKeyDictionary[Store, Store] = weakref.WeakKeyDictionary
 _GUARD = threading.Lock()
 
 
-def _innermost(store: Store) -> Store:
+def innermost(store: Any) -> Any:
+    """The store under every prefix store around ``store`` (``store`` itself if it has none).
+
+    Examples:
+        >>> import torch.distributed as dist
+        >>> from ignite_ext.distributed.store.clients import innermost
+        >>> hashed = dist.HashStore()
+        >>> innermost(dist.PrefixStore("a", dist.PrefixStore("b", hashed))) is hashed
+        True
+
+    .. versionadded:: 0.4.0
+    """
     while hasattr(store, "underlying_store"):
         store = store.underlying_store
     return store
@@ -198,7 +210,7 @@ def namespaced(store: Store) -> Store:
         ours = store
         # Where torch clones its stores itself (2.6 and later: Store.clone), its store is used as it is: clients of
         # one's own come from Store.clone, the wire prefix from rank 0's list_keys (liveness.watch).
-        served = None if _clones(store) else endpoint(_innermost(store))
+        served = None if _clones(store) else endpoint(innermost(store))
         if served is not None:
             proposal = secrets.token_hex(8).encode()
             token = bytes(store.compare_set(NAMESPACE_KEY, "", proposal)).decode()  # type: ignore[arg-type]

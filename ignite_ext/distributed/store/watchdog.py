@@ -21,6 +21,8 @@ import threading
 import time
 from typing import Any
 
+from ignite_ext.distributed.store.clients import innermost
+
 __all__ = ["Watchdog", "store_port", "watchdog", "watchdog_enabled"]
 
 # How late the watchdog thread may wake before it takes the delay for a stop of the process, not of the store.
@@ -40,8 +42,7 @@ def store_port(store: Any) -> int | None:
 
     .. versionadded:: 0.2.0
     """
-    while hasattr(store, "underlying_store"):
-        store = store.underlying_store
+    store = innermost(store)
     port = getattr(store, "port", None)
     return port if isinstance(port, int) and hasattr(store, "host") else None
 
