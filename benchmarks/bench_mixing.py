@@ -8,8 +8,9 @@ statistics are those of its classes, and the running statistics DDP keeps are ra
 accuracy (a balanced held-out set), training loss, the ranks' cache hit rate, storage reads (cache misses), the
 cache's entries per rank (what it holds) and the epoch's time.
 
-The cache here keeps everything it loaded (no capacity limit), so the entries column shows what mixing costs in
-memory when nothing is evicted: a shard plus what has moved into it so far.
+With ``mix > 0`` the cache follows the shard (``CachedDataset.follow``, called by the sampler each epoch): it evicts
+what left and stores what arrived in the space it held, so the entries it holds per rank stay one shard and the
+RAM it uses stays what the first epoch took (both columns); fixed shards and torch's sampler evict nothing.
 
 .. versionadded:: 0.4.0
 """
@@ -102,7 +103,8 @@ def _rank(rank: int, variant: str, n: int, epochs: int, port: int, out: str) -> 
         model.eval()
         with torch.no_grad():
             accuracy = float((model(val.x).argmax(1) == val.y).float().mean())
-        counts = torch.tensor([hits, misses, stats.entries, seconds * 1e6], dtype=torch.float64)
+        held = stats.entries - stats.evictions
+        counts = torch.tensor([hits, misses, held, seconds * 1e6, train.used_bytes], dtype=torch.float64)
         dist.all_reduce(counts)
         rows.append(
             {
@@ -113,6 +115,7 @@ def _rank(rank: int, variant: str, n: int, epochs: int, port: int, out: str) -> 
                 "storage_reads": int(counts[1]),
                 "entries_per_rank": int(counts[2]) // RANKS,
                 "seconds": float(counts[3]) / 1e6 / RANKS,
+                "used_kib_per_rank": int(counts[4]) // RANKS // 1024,
             }
         )
     if rank == 0:
@@ -148,6 +151,7 @@ def run(quick: bool = False) -> dict[str, Any]:
             row[f"{key}_hit_pct"] = round(100 * r["hit_rate"], 1)
             row[f"{key}_reads"] = r["storage_reads"]
             row[f"{key}_entries"] = r["entries_per_rank"]
+            row[f"{key}_kib"] = r["used_kib_per_rank"]
             row[f"{key}_s"] = round(r["seconds"], 3)
         rows.append(row)
     last = rows[-1]
@@ -156,9 +160,11 @@ def run(quick: bool = False) -> dict[str, Any]:
         f"Validation accuracy after the last epoch: torch {last['torch_acc']} %, fixed shards {last['fixed_acc']} %, "
         f"mix=0.05 {last['mix005_acc']} %, mix=0.25 {last['mix025_acc']} %. Cache hit rate in the last epoch: "
         f"torch {last['torch_hit_pct']} %, fixed {last['fixed_hit_pct']} %, mix=0.05 {last['mix005_hit_pct']} %, "
-        f"mix=0.25 {last['mix025_hit_pct']} %; entries per rank (no eviction): torch {last['torch_entries']}, "
+        f"mix=0.25 {last['mix025_hit_pct']} %; entries held per rank: torch {last['torch_entries']}, "
         f"fixed {last['fixed_entries']}, mix=0.05 {last['mix005_entries']}, mix=0.25 {last['mix025_entries']} "
-        f"(a shard is {n // RANKS})."
+        f"(a shard is {n // RANKS}; the mixing caches follow their shards), RAM used per rank (KiB): torch "
+        f"{last['torch_kib']}, fixed {last['fixed_kib']}, mix=0.05 {last['mix005_kib']}, mix=0.25 "
+        f"{last['mix025_kib']} (first epoch: {rows[0]['mix025_kib']})."
     )
     machine = f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
     return {

@@ -10,6 +10,7 @@ import mmap
 import os
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 from ignite_ext.data.cache._cow import CowMap
 
@@ -19,17 +20,23 @@ __all__ = [
     "EMPTY",
     "ENTRIES",
     "ENTRY_WORDS",
+    "EVICTED_BYTES",
+    "EVICTIONS",
     "HEADER_BYTES",
     "HITS",
     "H_AGENT",
     "H_AGENT_ID",
     "H_CAPACITY",
     "H_DATA",
+    "H_DIGEST",
+    "H_ERA",
+    "H_FOLLOW",
     "H_FULL",
     "H_JOB",
     "H_KEY",
     "H_MAGIC",
     "H_N",
+    "H_PIN",
     "H_ROWS",
     "H_STATS",
     "H_TABLE",
@@ -65,12 +72,16 @@ ALIGN = 64
 # persisted cache unusable).
 H_MAGIC, H_VERSION, H_N, H_CAPACITY, H_TABLE, H_STATS, H_DATA, H_USED, H_ROWS, H_FULL, H_JOB, H_KEY = range(12)
 H_AGENT, H_AGENT_ID = 12, 13
+# An arena that follows a sampler's shards (see ._follow), likewise additive: H_FOLLOW is 1 + the offset of its
+# bookkeeping region in the data area (0: it does not follow), nothing below H_PIN in the data area is ever reused,
+# H_ERA counts the evictions (readers check it around their copy) and H_DIGEST names the last set kept.
+H_FOLLOW, H_PIN, H_ERA, H_DIGEST = 14, 15, 16, 17
 # Index table: three words per dataset index.
 ENTRY_WORDS = 3
 EMPTY, READY = 0, 1
 # Counters: one 64-byte slot (its own cache line, since each slot has one writer) per process of a row.
 SLOT_WORDS = 8
-OWNER, HITS, MISSES, ENTRIES, BYTES = range(5)
+OWNER, HITS, MISSES, ENTRIES, BYTES, EVICTIONS, EVICTED_BYTES = range(7)
 #: Slot 0 is a rank's main process, slots 1..MAX_WORKERS its DataLoader workers; the last slot is shared (locked).
 MAX_WORKERS = 64
 SLOTS_PER_ROW = MAX_WORKERS + 2
@@ -98,6 +109,7 @@ class Local:
     thread_lock: threading.Lock
     cow: CowMap | None = None  # the copy-on-write mapping that lends large buffers, once opened
     cow_opened: bool = False
+    follow: Any = None  # the FollowSpace of a following arena, once seen (views of mm: dropped before unmapping)
 
 
 #: Where a process that has the files open can be reached: (pid, arena fd, arena inode, lock fd, lock inode).
@@ -155,6 +167,7 @@ def open_local(
 
 
 def close_local(local: Local) -> None:
+    local.follow = None
     if local.cow is not None:
         local.cow.close()
     for view in (local.header, local.table, local.stats, local.data):

@@ -11,9 +11,17 @@ buffers of a sample start on pages of their own and can be lent copy-on-write (:
 
 *Publish when complete*: a writer reserves a range (under the lock), copies the sample into it (no lock) and then,
 under the lock again, writes offset and length and flips the entry's state to READY last. Readers never lock: an
-entry they see READY is complete and never changes again (nothing is evicted). A writer killed before it publishes
-leaves an EMPTY entry and a few wasted bytes, never a half entry; a second writer of the same entry finds it taken at
-publish time and its range is simply not used.
+entry they see READY is complete and, until the arena follows a shard (below), never changes again. A writer killed
+before it publishes leaves an EMPTY entry and a few wasted bytes, never a half entry; a second writer of the same
+entry finds it taken at publish time and its range is simply not used.
+
+*Following* (:meth:`Arena.follow`, from 0.4.0): told the set of indices its readers will read next (the shard of a
+sampler whose shards mix), the arena evicts the other entries and hands their space to new samples (the
+bookkeeping is :mod:`~ignite_ext.data.cache._follow`). Since a range may then be rewritten, readers of a following
+arena copy the bytes out and keep the copy only if no eviction happened meanwhile (the era word, bumped under the
+lock before any freed range can be handed out, is the same before and after the copy), and nothing is lent
+copy-on-write: a lent view would change under its holder. What was stored before the arena followed stays where it
+is (it may have been lent): its space is never reused.
 
 The lock is ``flock`` on a small ``.lock`` file next to the arena: the kernel releases it when its holder dies, so a
 SIGKILLed worker cannot wedge the others. The creating process also holds a shared ``flock`` on the arena for its
@@ -27,32 +35,41 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
+import hashlib
 import mmap
 import os
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from ignite_ext._fs import own_regular_file, pid_alive
 from ignite_ext.data.cache import _sigterm, shm
 from ignite_ext.data.cache._cow import PAGE, CowMap
+from ignite_ext.data.cache._follow import FollowSpace, space_bytes
 from ignite_ext.data.cache._mapping import (
     ALIGN,
     BYTES,
     EMPTY,
     ENTRIES,
     ENTRY_WORDS,
+    EVICTED_BYTES,
+    EVICTIONS,
     H_AGENT,
     H_AGENT_ID,
     H_CAPACITY,
     H_DATA,
+    H_DIGEST,
+    H_ERA,
+    H_FOLLOW,
     H_FULL,
     H_JOB,
     H_KEY,
     H_MAGIC,
     H_N,
+    H_PIN,
     H_ROWS,
     H_STATS,
     H_TABLE,
@@ -79,10 +96,20 @@ from ignite_ext.data.cache.restart import NO_JOB, agent_stamp
 from ignite_ext.data.cache.shm import MIN_CAPACITY, SHM_DIR, remove_files
 from ignite_ext.errors import ShmSpaceError
 
+__all__ = ["PERSISTED", "PERSIST_ROWS", "Arena", "Followed"]
+
 #: The job stamp of a persisted cache (see .persist): no job's, since job stamps are digests.
 PERSISTED = 1
 #: Counter rows of a persisted cache at least: a later job may run more ranks per node than the first.
 PERSIST_ROWS = 64
+
+
+class Followed(NamedTuple):
+    """What :meth:`Arena.follow` did: entries evicted, their bytes, and whether the arena follows."""
+
+    evicted: int
+    evicted_bytes: int
+    following: bool
 
 
 def _layout(n: int, rows: int) -> tuple[int, int, int]:
@@ -413,6 +440,11 @@ class Arena:
         size = os.fstat(local.arena_fd).st_size
         if size != data_off + capacity or used > capacity:
             return f"{size} bytes for a data area of {capacity} with {used} used"
+        follow, pin = int(header[H_FOLLOW]), int(header[H_PIN])
+        if follow and (follow - 1 + space_bytes(n) > used or pin > used):
+            return (
+                f"its shard bookkeeping at {follow - 1} (below {pin} never reused) lies outside the {used} bytes used"
+            )
         table = np.frombuffer(local.table, dtype=np.uint64).reshape(n, ENTRY_WORDS)
         states = table[:, 0]
         if np.any((states != EMPTY) & (states != READY)):
@@ -477,13 +509,37 @@ class Arena:
         return bool(self._mapped().header[H_FULL])
 
     def lookup(self, index: int) -> memoryview | None:
-        """Return the published bytes of ``index`` (a view into the arena), or ``None`` if it has none."""
+        """Return the published bytes of ``index``, or ``None`` if it has none.
+
+        A view into the arena; in a following arena (:meth:`follow`), a private copy of the bytes, taken when no
+        eviction happened during the copy (a range may be handed to another sample once evicted).
+        """
         local = self._mapped()
         base = index * ENTRY_WORDS
-        if local.table[base] != READY:
-            return None
-        offset, length = local.table[base + 1], local.table[base + 2]
-        return local.data[offset : offset + length]
+        table = local.table
+        if not local.header[H_FOLLOW]:
+            if table[base] != READY:
+                return None
+            offset, length = table[base + 1], table[base + 2]
+            return local.data[offset : offset + length]
+        header = local.header
+        for _ in range(3):  # an eviction during the copy: look again (the entry may be gone, or elsewhere)
+            era = header[H_ERA]
+            if table[base] != READY:
+                return None
+            offset, length = table[base + 1], table[base + 2]
+            copy = bytearray(local.data[offset : offset + length])
+            if header[H_ERA] == era:
+                return memoryview(copy)
+        return None
+
+    @property
+    def following(self) -> bool:
+        """Whether the arena follows a shard (:meth:`follow`): then it evicts, and :meth:`lookup` copies.
+
+        .. versionadded:: 0.4.0
+        """
+        return bool(self._mapped().header[H_FOLLOW])
 
     def reserve(self, index: int, nbytes: int, page_offset: int | None = None) -> int | None:
         """Hand out ``nbytes`` of the data area for ``index``; ``None`` if it is already published or no room.
@@ -494,6 +550,8 @@ class Arena:
         local = self._mapped()
         header = local.header
         size = aligned(nbytes)
+        if header[H_FOLLOW]:
+            return self._reserve_following(local, index, size)
         if local.table[index * ENTRY_WORDS] != EMPTY or header[H_USED] + size > header[H_CAPACITY]:
             return None  # checked without the lock first, so a full cache costs no lock per miss
         with self._locked(local):
@@ -526,9 +584,147 @@ class Arena:
                 if not local.cow_opened:
                     local.cow = CowMap.open(local.arena_fd)
                     local.cow_opened = True
-        if local.cow is None or local.table[index * ENTRY_WORDS] != READY:
-            return None
+        if local.cow is None or local.header[H_FOLLOW] or local.table[index * ENTRY_WORDS] != READY:
+            return None  # a following arena's ranges may be reused: nothing is lent
         return local.cow.lend(local.header[H_DATA] + local.table[index * ENTRY_WORDS + 1] + start, nbytes)
+
+    def _space(self, local: Local) -> FollowSpace | None:
+        """The bookkeeping of a following arena (see :mod:`~ignite_ext.data.cache._follow`), or None."""
+        follow = int(local.header[H_FOLLOW])
+        if not follow:
+            return None
+        if local.follow is None:
+            local.follow = FollowSpace(local.mm, int(local.header[H_DATA]) + follow - 1, int(local.header[H_N]))
+        return local.follow  # type: ignore[no-any-return]
+
+    def _reserve_following(self, local: Local, index: int, size: int) -> int | None:
+        """:meth:`reserve` in a following arena: the first free range that fits, else the unused tail."""
+        header = local.header
+        if local.table[index * ENTRY_WORDS] != EMPTY:
+            return None
+        with self._locked(local):
+            space = self._space(local)
+            if space is None or local.table[index * ENTRY_WORDS] != EMPTY:
+                return None
+            offset = space.take(size)
+            if offset is None:
+                offset = int(header[H_USED])
+                if offset + size > header[H_CAPACITY]:
+                    header[H_FULL] = 1
+                    return None
+                try:
+                    os.posix_fallocate(local.arena_fd, header[H_DATA] + offset, size)  # see reserve()
+                except OSError:
+                    header[H_FULL] = 1
+                    return None
+                header[H_USED] = offset + size
+            if not space.hold(local.pid, offset, size):
+                return None  # every in-flight slot is a live writer's: the range comes back at the next eviction
+        return offset
+
+    def abandon(self, offset: int) -> None:
+        """Give up a range reserved at ``offset`` and not published (a following arena reuses it after an eviction).
+
+        .. versionadded:: 0.4.0
+        """
+        local = self._mapped()
+        with self._locked(local):
+            if (space := self._space(local)) is not None:
+                space.release(local.pid, offset)
+
+    def follow(self, keep: Iterable[int] | Any) -> Followed:
+        """Keep the entries of ``keep`` (indices) only: evict the others and hand their space to new samples.
+
+        The first call makes the arena *following* (see the module docstring): it takes a bookkeeping region of
+        ``16 * n`` bytes of the data area plus 10 KiB (without room for it nothing is evicted and ``following``
+        stays False), and what is stored by then is never moved nor its space reused. A call with the set of the
+        call before evicts nothing and costs no lock. Any process of the node may call it; the others see its
+        effect at once.
+
+        Args:
+            keep: the indices to keep (any iterable of ints, or an integer array).
+
+        Returns:
+            How many entries were evicted, their bytes, and whether the arena follows.
+
+        Raises:
+            ValueError: an index is not in ``range(n)``.
+
+        Examples:
+            >>> from ignite_ext.data.cache.arena import Arena
+            >>> arena = Arena.create(n=3, capacity=1 << 20)
+            >>> arena.follow([0, 1, 2]).following
+            True
+            >>> for index in (0, 1):
+            ...     offset = arena.reserve(index, 100)
+            ...     arena.data_view(offset, 100)[:] = bytes([index]) * 100
+            ...     arena.publish(index, offset, 100)
+            True
+            True
+            >>> arena.follow([1, 2])  # index 0 left: evicted, its 128 bytes go to the next sample stored
+            Followed(evicted=1, evicted_bytes=100, following=True)
+            >>> arena.lookup(0) is None, arena.reserve(2, 100) == offset - 128
+            (True, True)
+            >>> arena.close()
+
+        .. versionadded:: 0.4.0
+        """
+        import numpy as np
+
+        local = self._mapped()
+        header = local.header
+        n = int(header[H_N])
+        indices = np.fromiter(keep, dtype=np.int64) if not isinstance(keep, np.ndarray) else keep.astype(np.int64)
+        if len(indices) and (indices.min() < 0 or indices.max() >= n):
+            raise ValueError(f"follow() keeps indices of range({n}), got {int(indices.min())}..{int(indices.max())}")
+        wanted = np.zeros(n, dtype=bool)
+        wanted[indices] = True
+        digest = int.from_bytes(hashlib.blake2b(np.packbits(wanted).tobytes(), digest_size=8).digest(), "little") | 1
+        if header[H_FOLLOW] and header[H_DIGEST] == digest:
+            return Followed(0, 0, True)
+        with self._locked(local):
+            space = self._space(local) or self._start_following(local, n)
+            if space is None:
+                return Followed(0, 0, False)
+            if header[H_DIGEST] == digest:
+                return Followed(0, 0, True)
+            table = np.frombuffer(local.table, dtype=np.uint64).reshape(n, ENTRY_WORDS)
+            ready = table[:, 0] == READY
+            gone = ready & ~wanted
+            evicted, evicted_bytes = int(gone.sum()), int(table[gone, 2].sum())
+            header[H_ERA] += 1  # first: a reader whose copy overlaps what follows sees it changed
+            table[gone, 0] = EMPTY
+            live = table[ready & wanted]
+            sizes = (live[:, 2] + (ALIGN - 1)) // ALIGN * ALIGN
+            space.rebuild(live[:, 1], sizes, pin=int(header[H_PIN]), used=int(header[H_USED]))
+            header[H_DIGEST] = digest
+            del table, live
+        return Followed(evicted, evicted_bytes, True)
+
+    def _start_following(self, local: Local, n: int) -> FollowSpace | None:
+        """Make the arena following, under its lock: the bookkeeping region taken from the unused tail."""
+        header = local.header
+        offset, size = int(header[H_USED]), aligned(space_bytes(n))
+        if offset + size > header[H_CAPACITY]:
+            return None
+        try:
+            os.posix_fallocate(local.arena_fd, header[H_DATA] + offset, size)
+        except OSError:
+            return None
+        header[H_USED] = header[H_PIN] = offset + size  # what is stored so far may have been lent: kept in place
+        header[H_FOLLOW] = offset + 1  # last: lookups copy from now on
+        return self._space(local)
+
+    def lender(self, index: int, raw: memoryview) -> Callable[[int, int], memoryview | None]:
+        """What lends the large buffers of ``raw`` (the bytes :meth:`lookup` returned for ``index``) to a decoder.
+
+        A private copy (a following arena's) lends slices of itself; a view of the arena, :meth:`borrow`.
+
+        .. versionadded:: 0.4.0
+        """
+        if isinstance(raw.obj, bytearray):
+            return lambda start, nbytes: raw[start : start + nbytes]
+        return functools.partial(self.borrow, index)
 
     def data_view(self, offset: int, nbytes: int) -> memoryview:
         """A writable view of a reserved range."""
@@ -539,6 +735,8 @@ class Arena:
         local = self._mapped()
         base = index * ENTRY_WORDS
         with self._locked(local):
+            if (space := self._space(local)) is not None:
+                space.release(local.pid, offset)
             if local.table[base] != EMPTY:
                 return False
             local.table[base + 1] = offset
@@ -546,7 +744,18 @@ class Arena:
             local.table[base] = READY  # last: readers take READY to mean complete
         return True
 
-    def count(self, row: int, slot: int, *, hits: int = 0, misses: int = 0, entries: int = 0, nbytes: int = 0) -> None:
+    def count(
+        self,
+        row: int,
+        slot: int,
+        *,
+        hits: int = 0,
+        misses: int = 0,
+        entries: int = 0,
+        nbytes: int = 0,
+        evictions: int = 0,
+        evicted_bytes: int = 0,
+    ) -> None:
         """Add to the counters of ``row`` (a rank), in ``slot`` (0: main process, 1 + worker id: a worker)."""
         local = self._mapped()
         own = local.claimed.get(row)
@@ -560,6 +769,8 @@ class Arena:
             words[base + MISSES] += misses
             words[base + ENTRIES] += entries
             words[base + BYTES] += nbytes
+            words[base + EVICTIONS] += evictions
+            words[base + EVICTED_BYTES] += evicted_bytes
 
     def _claim(self, local: Local, row: int, slot: int) -> int:
         if not 0 <= slot < SHARED_SLOT:
@@ -572,15 +783,15 @@ class Arena:
             local.stats[owner_word] = local.pid
         return slot
 
-    def totals(self, row: int) -> tuple[int, int, int, int]:
-        """``(hits, misses, entries, bytes)`` of ``row``, summed over every process that counted in it."""
+    def totals(self, row: int) -> tuple[int, int, int, int, int, int]:
+        """``(hits, misses, entries, bytes, evictions, evicted_bytes)`` of ``row``, summed over its processes."""
         words = self._mapped().stats
-        sums = [0, 0, 0, 0]
+        sums = [0] * 6
         for slot in range(SLOTS_PER_ROW):
             base = (row * SLOTS_PER_ROW + slot) * SLOT_WORDS
-            for k, word in enumerate((HITS, MISSES, ENTRIES, BYTES)):
+            for k, word in enumerate((HITS, MISSES, ENTRIES, BYTES, EVICTIONS, EVICTED_BYTES)):
                 sums[k] += words[base + word]
-        return sums[0], sums[1], sums[2], sums[3]
+        return sums[0], sums[1], sums[2], sums[3], sums[4], sums[5]
 
     def discard(self) -> None:
         """:meth:`close`, and delete the files also where they would be kept (a persisted cache found stale)."""

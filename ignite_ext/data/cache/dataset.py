@@ -12,11 +12,10 @@ small tensors and arrays are copied out, large ones lent as private copy-on-writ
 
 from __future__ import annotations
 
-import functools
 import operator
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Literal, Protocol
 
 from torch.utils.data import Dataset, get_worker_info
@@ -132,7 +131,7 @@ class CachedDataset(Dataset[Any]):
         >>> ds[1], ds[1]
         (tensor([1., 1.]), tensor([1., 1.]))
         >>> ds.stats()
-        CacheStats(hits=1, misses=1, entries=1, bytes=72, disk_hits=0, disk_entries=0, disk_bytes=0)
+        CacheStats(hits=1, misses=1, entries=1, bytes=72, disk_hits=0, disk_entries=0, disk_bytes=0, ...)
         >>> ds.close()
 
         A random augmentation after the cache is drawn anew on every read; the cache keeps the plain sample:
@@ -153,7 +152,7 @@ class CachedDataset(Dataset[Any]):
         ...     tiered.stats()
         ...     tiered.close()
         [0, 1, 0, 1]
-        CacheStats(hits=2, misses=2, entries=2, bytes=60, disk_hits=1, disk_entries=1, disk_bytes=30)
+        CacheStats(hits=2, misses=2, entries=2, bytes=60, disk_hits=1, disk_entries=1, disk_bytes=30, ...)
 
         With ``persist=True`` the disk tier outlives the job: the next one serves from it at once:
 
@@ -257,6 +256,18 @@ class CachedDataset(Dataset[Any]):
         return self._tiers.ram.capacity
 
     @property
+    def used_bytes(self) -> int:
+        """Bytes of the RAM tier's data area in use: what it holds, and space nothing reuses yet.
+
+        That is the samples stored, the bookkeeping of a cache that follows (:meth:`follow`), and ranges lost
+        to a writer's crash or to another writer of the same sample. In a cache that follows, the space of evicted
+        samples is reused before this grows.
+
+        .. versionadded:: 0.4.0
+        """
+        return self._tiers.ram.used
+
+    @property
     def disk_segment(self) -> str | None:
         """Path of the file in ``disk_dir`` that holds the disk tier, or None without one.
 
@@ -321,7 +332,7 @@ class CachedDataset(Dataset[Any]):
                 if raw is None:
                     sample = self._read(i)  # on disk, or loaded: counted there
                 else:
-                    sample = decode(raw, functools.partial(ram.borrow, i))
+                    sample = decode(raw, ram.lender(i, raw))
                     hits += 1
                 samples.append(sample if self.transform is None else self.transform(sample))
         finally:
@@ -335,7 +346,7 @@ class CachedDataset(Dataset[Any]):
         found = tiers.find(i)
         if found is not None:
             arena, raw = found
-            sample = decode(raw, functools.partial(arena.borrow, i))
+            sample = decode(raw, arena.lender(i, raw))
             arena.count(self._row, self._count_slot(), hits=1)
             return sample
         sample = self.dataset[i]
@@ -355,6 +366,52 @@ class CachedDataset(Dataset[Any]):
         stored = tiers.store(i, enc, self._before_publish)
         tiers.count_miss(self._row, self._count_slot(), stored, enc.nbytes)
         return sample  # already encoded: a transform that modifies it in place cannot reach the cache
+
+    def follow(self, indices: Iterable[int]) -> bool:
+        """Keep only ``indices`` in the cache: evict the other samples, and store new ones in the space they held.
+
+        For a sampler whose shards change a little every epoch (a :class:`~ignite_ext.data.ShardedDistributedSampler`
+        with ``mix > 0`` calls it for you, each epoch): given what the cache's readers read in the coming epoch
+        (this rank's shard, or with ``scope="node"`` its node's), the samples that left are evicted and those that
+        arrive are stored in their place as they are first read, so the cache holds the shard, not the shard plus
+        everything that ever passed through it. Samples of ``indices`` not cached yet are not loaded here.
+
+        From the first call on, the cache *follows*: every read copies the sample out of the cache (its space may
+        be handed to another sample), large tensors and arrays included, which are otherwise lent copy-on-write;
+        what was cached before the first call stays where it is. A call with the same indices as the call before
+        does nothing, so every rank of a node may make the same call. Evictions are counted in
+        :meth:`stats` (``evictions``, ``evicted_bytes``).
+
+        Args:
+            indices: the dataset indices to keep.
+
+        Returns:
+            Whether the cache follows: False when its capacity cannot spare the bookkeeping (about 16 bytes per
+            sample of the dataset); then nothing is evicted, as before.
+
+        Raises:
+            ValueError: an index is out of range.
+
+        Examples:
+            >>> import torch
+            >>> from ignite_ext.data import CachedDataset
+            >>> ds = CachedDataset([torch.full((4,), float(i)) for i in range(4)], capacity_bytes=1 << 20)
+            >>> ds.follow([0, 1])
+            True
+            >>> [ds[i][0].item() for i in (0, 1)]
+            [0.0, 1.0]
+            >>> ds.follow([1, 2])  # 0 left the shard, 2 arrived
+            True
+            >>> ds[2][0].item(), ds.stats().evictions, ds.stats().entries
+            (2.0, 1, 3)
+            >>> ds.close()
+
+        .. versionadded:: 0.4.0
+        """
+        evicted, evicted_bytes, following = self._tiers.follow(list(indices))
+        if evicted:
+            self._tiers.ram.count(self._row, self._count_slot(), evictions=evicted, evicted_bytes=evicted_bytes)
+        return following
 
     def _before_publish(self, index: int) -> None:
         """Run between writing a sample and publishing it; a seam for crash tests, nothing to do otherwise."""

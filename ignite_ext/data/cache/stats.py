@@ -28,6 +28,10 @@ class CacheStats:
         disk_hits: the reads among ``hits`` served from the disk tier.
         disk_entries: the samples among ``entries`` stored in the disk tier.
         disk_bytes: the bytes among ``bytes`` stored in the disk tier.
+        evictions: entries evicted (either tier) because they left the shard the cache follows
+            (:meth:`CachedDataset.follow <ignite_ext.data.CachedDataset.follow>`): the cache holds
+            ``entries - evictions`` of the samples its processes stored.
+        evicted_bytes: the bytes of those entries.
 
     Examples:
         >>> from ignite_ext.data import CacheStats
@@ -35,7 +39,7 @@ class CacheStats:
         >>> s.hit_rate
         0.75
         >>> s - CacheStats(hits=1, misses=1, entries=1, bytes=128)
-        CacheStats(hits=2, misses=0, entries=0, bytes=0, disk_hits=0, disk_entries=0, disk_bytes=0)
+        CacheStats(hits=2, misses=0, entries=0, bytes=0, disk_hits=0, disk_entries=0, disk_bytes=0, ...)
         >>> tiered = CacheStats(hits=6, misses=2, entries=4, bytes=512, disk_hits=2, disk_entries=1, disk_bytes=128)
         >>> tiered.ram_hits, tiered.ram_hit_rate, tiered.disk_hit_rate, tiered.miss_rate
         (4, 0.5, 0.25, 0.25)
@@ -43,6 +47,8 @@ class CacheStats:
     .. versionadded:: 0.1.0
     .. versionchanged:: 0.2.0
        ``disk_hits``, ``disk_entries``, ``disk_bytes`` and the per-tier properties.
+    .. versionchanged:: 0.4.0
+       ``evictions`` and ``evicted_bytes``.
     """
 
     hits: int = 0
@@ -52,6 +58,8 @@ class CacheStats:
     disk_hits: int = 0
     disk_entries: int = 0
     disk_bytes: int = 0
+    evictions: int = 0
+    evicted_bytes: int = 0
 
     @property
     def reads(self) -> int:

@@ -160,10 +160,29 @@ class Tiers:
                 if arena.lookup(index) is not None:  # another process published it meanwhile
                     return None
                 continue  # no room here: the next tier
-            enc.write_into(arena.data_view(offset, enc.nbytes))
-            before_publish(index)
+            try:
+                enc.write_into(arena.data_view(offset, enc.nbytes))
+                before_publish(index)
+            except BaseException:
+                arena.abandon(offset)
+                raise
             return arena if arena.publish(index, offset, enc.nbytes) else None
         return None
+
+    def follow(self, keep: Sequence[int] | Any) -> tuple[int, int, bool]:
+        """Keep only the indices of ``keep`` in every tier: ``(evicted, evicted_bytes, following)`` over the tiers.
+
+        See :meth:`Arena.follow <ignite_ext.data.cache.arena.Arena.follow>`; ``following`` is whether every tier
+        that takes new samples follows (a persisted cache's RAM tier takes none).
+
+        .. versionadded:: 0.4.0
+        """
+        import numpy as np
+
+        indices = np.asarray(keep, dtype=np.int64)
+        done = [arena.follow(indices) for arena in self.arenas]
+        following = all(d.following for arena, d in zip(self.arenas, done, strict=True) if arena in self._stored_in)
+        return sum(d.evicted for d in done), sum(d.evicted_bytes for d in done), following
 
     def count_miss(self, row: int, slot: int, stored: Arena | None = None, nbytes: int = 0) -> None:
         """Count a miss (in the RAM tier) and, when the sample was stored, an entry of ``nbytes`` in ``stored``."""
@@ -175,11 +194,13 @@ class Tiers:
         if stored is not None:
             stored.count(row, slot, entries=1, nbytes=nbytes)
 
-    def totals(self, row: int) -> tuple[int, int, int, int, int, int, int]:
-        """``(hits, misses, entries, bytes, disk_hits, disk_entries, disk_bytes)`` of ``row`` (a rank)."""
-        hits, misses, entries, nbytes = self.ram.totals(row)
+    def totals(self, row: int) -> tuple[int, ...]:
+        """:class:`~ignite_ext.data.cache.stats.CacheStats`' fields, in order, of ``row`` (a rank)."""
+        hits, misses, entries, nbytes, evictions, evicted = self.ram.totals(row)
         disk = self.disk
-        disk_hits, _, disk_entries, disk_bytes = disk.totals(row) if disk is not None else (0, 0, 0, 0)
+        disk_hits, _, disk_entries, disk_bytes, disk_evictions, disk_evicted = (
+            disk.totals(row) if disk is not None else (0,) * 6
+        )
         return (
             hits + disk_hits,
             misses,
@@ -188,6 +209,8 @@ class Tiers:
             disk_hits,
             disk_entries,
             disk_bytes,
+            evictions + disk_evictions,
+            evicted + disk_evicted,
         )
 
     def close(self) -> None:

@@ -22,7 +22,7 @@ from torch.utils.data import Dataset, DistributedSampler
 import ignite_ext.distributed as idist
 from ignite_ext.data.sampler.indices import check_int, samples_per_replica
 from ignite_ext.data.sampler.layout import resolve_placement
-from ignite_ext.data.sampler.mixing import check_mix, epoch_pool
+from ignite_ext.data.sampler.mixing import check_mix, epoch_pool, mixed_shards
 from ignite_ext.data.sampler.restripe import Segment
 from ignite_ext.data.sampler.resume import Config, Position, read_state, resumed_order, same_everywhere, write_state
 
@@ -84,7 +84,11 @@ class ShardedDistributedSampler(DistributedSampler[int]):
             and as many arrive, drawn from ``(seed, epoch)`` alike on every rank, so a shard's content is renewed
             over about ``1 / mix`` epochs while a cache keeps hitting on the rest; every epoch still covers the
             dataset once, each shard keeps its size, and the rank's order is a permutation of its shard
-            (:mod:`~ignite_ext.data.sampler.mixing`).
+            (:mod:`~ignite_ext.data.sampler.mixing`). When ``dataset`` is a
+            :class:`~ignite_ext.data.CachedDataset`, its cache follows the shards: each epoch (at construction,
+            :meth:`set_epoch` and :meth:`load_state_dict`) it is told what its readers read
+            (:meth:`CachedDataset.follow <ignite_ext.data.CachedDataset.follow>`), evicts what left and stores
+            what arrived in the freed space.
 
     Attributes:
         num_shards: how many shards the dataset is cut into: ``num_replicas``, or ``nnodes`` with
@@ -187,6 +191,34 @@ class ShardedDistributedSampler(DistributedSampler[int]):
         self._history: tuple[Segment, ...] = ()
         self._order: list[int] | None = None
         self._pending = False  # the next iteration continues a loaded position
+        self._follow()
+
+    def _cache_shards(self, scope: object) -> list[int] | None:
+        """The shards whose samples a cache of ``scope`` over this sampler's dataset serves; None if unknown."""
+        if scope != "node" or self.shard_by == "node":
+            return [self.shard]  # a rank's cache serves its shard (shard_by="node": its node's, read in parts)
+        # A node cache of shards by rank serves the node's ranks: known where ranks are numbered node by node.
+        world, rank = idist.get_world_size(), idist.get_rank()
+        nproc, node = idist.get_nproc_per_node(), idist.get_node_rank()
+        if self.num_replicas != world or rank != self.rank or rank != node * nproc + idist.get_local_rank():
+            return None
+        return list(range(node * nproc, (node + 1) * nproc))
+
+    def _follow(self) -> None:
+        """Tell the dataset's cache what its readers read this epoch (only with ``mix > 0``).
+
+        So that it evicts what left and stores what arrived (:meth:`CachedDataset.follow
+        <ignite_ext.data.CachedDataset.follow>`). Not in an epoch restriped over another world (its ranks read
+        outside their shards): the cache keeps everything then, until the next epoch.
+        """
+        follow = getattr(self.dataset, "follow", None)
+        if self.mix == 0.0 or not callable(follow) or self._history:
+            return
+        shards = self._cache_shards(getattr(self.dataset, "scope", "rank"))
+        if shards is None:
+            return
+        pool = mixed_shards(self._dataset_len, self.num_shards, self.seed, self.epoch, self.mix)
+        follow([index for shard in shards for index in pool[shard]])
 
     def indices(self, epoch: int | None = None) -> list[int]:
         """Return this rank's indices for a whole epoch on its fixed shard, without changing the sampler's state.
@@ -292,6 +324,7 @@ class ShardedDistributedSampler(DistributedSampler[int]):
             self._start = self._yielded = 0
             self._consumed = None
             self._history, self._order, self._pending = (), None, False
+            self._follow()
 
     def set_consumed(self, consumed: int) -> None:
         """Record how many of this epoch's indices the training loop has consumed, for :meth:`state_dict`.
@@ -420,3 +453,4 @@ class ShardedDistributedSampler(DistributedSampler[int]):
         self._start = self._yielded = position.consumed
         self._consumed = None
         self._pending = True
+        self._follow()
