@@ -336,3 +336,40 @@ def test_node_caches_follow_the_nodes_shards_on_two_nodes(world: World, shard_by
             assert rows[e][:2] == (stayed, len(pools[e]) - stayed)  # hits: what stayed on the node
             assert rows[e][2] == len(pools[e])  # the node's cache holds the node's shard
             assert stayed < len(pools[e])  # something did move between the nodes
+
+
+def test_an_epoch_resumed_on_another_world_keeps_the_cache_and_the_next_epoch_follows_the_new_world() -> None:
+    n, mix = 480, 0.25
+    base = CountingDataset(n)
+    ds = CachedDataset(base, capacity_bytes=16 << 20)  # type: ignore[arg-type]
+    try:
+        old = ShardedDistributedSampler(ds, num_replicas=4, rank=0, shuffle=True, seed=2, mix=mix)
+        for e in range(2):
+            old.set_epoch(e)
+            for i in old:
+                ds[i]
+        old.set_epoch(2)
+        it = iter(old)
+        head = [next(it) for _ in range(30)]
+        for i in head:
+            ds[i]
+        state = old.state_dict(consumed=30)
+        evictions, held = ds.stats().evictions, ds.stats().entries - ds.stats().evictions
+        new = ShardedDistributedSampler(ds, num_replicas=2, rank=0, shuffle=True, seed=2, mix=mix)
+        new.load_state_dict(state)  # restriped: the rest of epoch 2 reads outside the new world's shards
+        assert ds.stats().evictions == evictions  # so the cache evicts nothing during it
+        rest = list(new)
+        for i in rest:
+            ds[i]
+        assert ds.stats().entries - ds.stats().evictions >= held
+        new.set_epoch(3)  # the next epoch follows the new world's shard
+        shard = set(mixed_shards(n, 2, 2, 3, mix)[0])
+        before = ds.stats()
+        for i in new:
+            ds[i]
+        after = ds.stats()
+        assert after.entries - after.evictions == len(shard)
+        assert (after - before).hits + (after - before).misses == len(shard)
+        assert set(new.indices(3)) == shard
+    finally:
+        ds.close()

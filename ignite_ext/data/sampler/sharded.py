@@ -85,8 +85,8 @@ class ShardedDistributedSampler(DistributedSampler[int]):
             over about ``1 / mix`` epochs while a cache keeps hitting on the rest; every epoch still covers the
             dataset once, each shard keeps its size, and the rank's order is a permutation of its shard
             (:mod:`~ignite_ext.data.sampler.mixing`). When ``dataset`` is a
-            :class:`~ignite_ext.data.CachedDataset`, its cache follows the shards: each epoch (at construction,
-            :meth:`set_epoch` and :meth:`load_state_dict`) it is told what its readers read
+            :class:`~ignite_ext.data.CachedDataset`, its cache follows the shards: as each epoch's iteration
+            starts, it is told what its readers read
             (:meth:`CachedDataset.follow <ignite_ext.data.CachedDataset.follow>`), evicts what left and stores
             what arrived in the freed space.
 
@@ -191,7 +191,7 @@ class ShardedDistributedSampler(DistributedSampler[int]):
         self._history: tuple[Segment, ...] = ()
         self._order: list[int] | None = None
         self._pending = False  # the next iteration continues a loaded position
-        self._follow()
+        self._followed: int | None = None  # the epoch the dataset's cache was last told of
 
     def _cache_shards(self, scope: object) -> list[int] | None:
         """The shards whose samples a cache of ``scope`` over this sampler's dataset serves; None if unknown."""
@@ -212,8 +212,9 @@ class ShardedDistributedSampler(DistributedSampler[int]):
         outside their shards): the cache keeps everything then, until the next epoch.
         """
         follow = getattr(self.dataset, "follow", None)
-        if self.mix == 0.0 or not callable(follow) or self._history:
+        if self.mix == 0.0 or not callable(follow) or self._history or self._followed == self.epoch:
             return
+        self._followed = self.epoch
         shards = self._cache_shards(getattr(self.dataset, "scope", "rank"))
         if shards is None:
             return
@@ -282,6 +283,7 @@ class ShardedDistributedSampler(DistributedSampler[int]):
             # A new pass over the epoch: a loaded position and a restriped order only hold for the first one.
             self._history, self._order, self._start = (), None, 0
         self._pending = False
+        self._follow()
         order = self._pass_order()
         start, self._start = self._start, 0
         self._yielded, self._consumed = start, None
@@ -324,7 +326,6 @@ class ShardedDistributedSampler(DistributedSampler[int]):
             self._start = self._yielded = 0
             self._consumed = None
             self._history, self._order, self._pending = (), None, False
-            self._follow()
 
     def set_consumed(self, consumed: int) -> None:
         """Record how many of this epoch's indices the training loop has consumed, for :meth:`state_dict`.
@@ -453,4 +454,3 @@ class ShardedDistributedSampler(DistributedSampler[int]):
         self._start = self._yielded = position.consumed
         self._consumed = None
         self._pending = True
-        self._follow()
