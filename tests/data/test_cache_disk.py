@@ -415,7 +415,7 @@ def test_stats_keep_their_former_fields_and_add_the_tiers() -> None:
     old = CacheStats(3, 1, 2, 256)  # positional, as before the disk tier
     assert (old.hits, old.ram_hits, old.disk_hits, old.hit_rate) == (3, 3, 0, 0.75)
     tiered = CacheStats(hits=5, misses=5, entries=4, bytes=400, disk_hits=2, disk_entries=1, disk_bytes=100)
-    assert dataclasses.astuple(tiered - old) == (2, 4, 2, 144, 2, 1, 100, 0, 0)
+    assert dataclasses.astuple(tiered - old) == (2, 4, 2, 144, 2, 1, 100, 0, 0, 0)
     assert (tiered.ram_entries, tiered.ram_bytes) == (3, 300)
     assert (tiered.ram_hit_rate, tiered.disk_hit_rate, tiered.miss_rate) == (0.3, 0.2, 0.5)
     assert CacheStats().miss_rate == CacheStats().hit_rate == 0.0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing as mp
+import os
 import random
 import signal
 import time
@@ -373,3 +374,69 @@ def test_an_epoch_resumed_on_another_world_keeps_the_cache_and_the_next_epoch_fo
         assert set(new.indices(3)) == shard
     finally:
         ds.close()
+
+
+@pytest.mark.distributed
+def test_loading_ahead_makes_the_arrivals_hits_and_holds_the_shard_plus_what_arrives() -> None:
+    n, shards, epochs, mix = 800, 4, 4, 0.25
+    base = CountingDataset(n)
+    ds = CachedDataset(base, capacity_bytes=16 << 20)  # type: ignore[arg-type]
+    try:
+        sampler = ShardedDistributedSampler(ds, num_replicas=shards, rank=2, seed=4, mix=mix, load_ahead=True)
+        pools = [set(mixed_shards(n, shards, 4, e, mix)[2]) for e in range(epochs + 1)]
+        for e in range(epochs):
+            sampler.set_epoch(e)
+            before = ds.stats()
+            order = list(sampler)  # the epoch's iteration starts: its arrivals of the next epoch load meanwhile
+            for i in order:
+                assert ds[i]["x"][0].item() == float(i)
+            assert ds._loading is not None and ds._loading.join(60)  # done before the next epoch starts
+            now = ds.stats() - before
+            if e > 0:
+                assert (now.hits, now.misses) == (len(pools[e]), 0)  # every arrival was loaded ahead
+            # what arrives next, less what the cache still holds: a sample that left last epoch and comes back next
+            # was kept (it was to arrive), so it is neither loaded ahead nor a miss
+            assert now.loaded_ahead == len(pools[e + 1] - pools[e] - (pools[e - 1] if e else set()))
+            held = ds.stats().entries - ds.stats().evictions
+            assert held == len(pools[e] | pools[e + 1])  # the shard, plus what arrives next
+        total = ds.stats()
+        assert sum(base.loads()) == total.misses + total.loaded_ahead  # each load is a miss or ahead, never both
+        assert ShardedDistributedSampler(range(8), num_replicas=2, rank=0).load_ahead is False
+        with pytest.raises(TypeError, match="load_ahead"):
+            ShardedDistributedSampler(range(8), num_replicas=2, rank=0, load_ahead=1)  # type: ignore[arg-type]
+    finally:
+        ds.close()
+    assert ds._loading is None
+
+
+@pytest.mark.distributed
+def test_the_loading_ahead_process_is_killed_at_the_next_epoch_and_dies_with_its_parent() -> None:
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    parent = ctx.Process(target=_start_slow_loading, args=(out,), daemon=False)
+    parent.start()
+    first, second = out.get(timeout=60)
+    assert not _alive(first)  # killed when the next epoch followed
+    os.kill(parent.pid, signal.SIGKILL)  # type: ignore[arg-type]
+    parent.join(30)
+    deadline = time.monotonic() + 30
+    while _alive(second) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(second)  # died with its parent
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _start_slow_loading(out: Any) -> None:
+    ds = CachedDataset(CountingDataset(64, delay=5.0), capacity_bytes=4 << 20)  # type: ignore[arg-type]
+    ds.follow(range(32), ahead=range(32, 64))
+    first = ds._loading._process.pid  # type: ignore[union-attr]
+    ds.follow(range(16, 48), ahead=range(48, 64))
+    out.put((first, ds._loading._process.pid))  # type: ignore[union-attr]
+    time.sleep(120)

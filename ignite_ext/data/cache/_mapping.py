@@ -42,6 +42,7 @@ __all__ = [
     "H_TABLE",
     "H_USED",
     "H_VERSION",
+    "LOADED_AHEAD",
     "MAGIC",
     "MAX_WORKERS",
     "MISSES",
@@ -81,7 +82,7 @@ ENTRY_WORDS = 3
 EMPTY, READY = 0, 1
 # Counters: one 64-byte slot (its own cache line, since each slot has one writer) per process of a row.
 SLOT_WORDS = 8
-OWNER, HITS, MISSES, ENTRIES, BYTES, EVICTIONS, EVICTED_BYTES = range(7)
+OWNER, HITS, MISSES, ENTRIES, BYTES, EVICTIONS, EVICTED_BYTES, LOADED_AHEAD = range(8)
 #: Slot 0 is a rank's main process, slots 1..MAX_WORKERS its DataLoader workers; the last slot is shared (locked).
 MAX_WORKERS = 64
 SLOTS_PER_ROW = MAX_WORKERS + 2

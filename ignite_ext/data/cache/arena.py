@@ -77,6 +77,7 @@ from ignite_ext.data.cache._mapping import (
     H_VERSION,
     HEADER_BYTES,
     HITS,
+    LOADED_AHEAD,
     MAGIC,
     MISSES,
     OWNER,
@@ -755,6 +756,7 @@ class Arena:
         nbytes: int = 0,
         evictions: int = 0,
         evicted_bytes: int = 0,
+        loaded_ahead: int = 0,
     ) -> None:
         """Add to the counters of ``row`` (a rank), in ``slot`` (0: main process, 1 + worker id: a worker)."""
         local = self._mapped()
@@ -771,6 +773,7 @@ class Arena:
             words[base + BYTES] += nbytes
             words[base + EVICTIONS] += evictions
             words[base + EVICTED_BYTES] += evicted_bytes
+            words[base + LOADED_AHEAD] += loaded_ahead
 
     def _claim(self, local: Local, row: int, slot: int) -> int:
         if not 0 <= slot < SHARED_SLOT:
@@ -783,15 +786,15 @@ class Arena:
             local.stats[owner_word] = local.pid
         return slot
 
-    def totals(self, row: int) -> tuple[int, int, int, int, int, int]:
-        """``(hits, misses, entries, bytes, evictions, evicted_bytes)`` of ``row``, summed over its processes."""
+    def totals(self, row: int) -> tuple[int, int, int, int, int, int, int]:
+        """``(hits, misses, entries, bytes, evictions, evicted_bytes, loaded_ahead)`` of ``row``, over its processes."""
         words = self._mapped().stats
-        sums = [0] * 6
+        sums = [0] * 7
         for slot in range(SLOTS_PER_ROW):
             base = (row * SLOTS_PER_ROW + slot) * SLOT_WORDS
-            for k, word in enumerate((HITS, MISSES, ENTRIES, BYTES, EVICTIONS, EVICTED_BYTES)):
+            for k, word in enumerate((HITS, MISSES, ENTRIES, BYTES, EVICTIONS, EVICTED_BYTES, LOADED_AHEAD)):
                 sums[k] += words[base + word]
-        return sums[0], sums[1], sums[2], sums[3], sums[4], sums[5]
+        return sums[0], sums[1], sums[2], sums[3], sums[4], sums[5], sums[6]
 
     def discard(self) -> None:
         """:meth:`close`, and delete the files also where they would be kept (a persisted cache found stale)."""

@@ -20,6 +20,7 @@ from typing import Any, Literal, Protocol
 
 from torch.utils.data import Dataset, get_worker_info
 
+from ignite_ext.data.cache._ahead import LoadingAhead
 from ignite_ext.data.cache._world import ignite_world
 from ignite_ext.data.cache.codec import decode, encode
 from ignite_ext.data.cache.identity import checked_name, construction_site, sample_fingerprint
@@ -233,6 +234,7 @@ class CachedDataset(Dataset[Any]):
             self._row = 0
         self.disk_dir = disk.directory if disk is not None else None
         self._slot: tuple[int, int] | None = None
+        self._loading: LoadingAhead | None = None  # the process loading the next epoch's arrivals, if any
         # The pid that warned about an uncacheable sample: one warning per dataset and process (each DataLoader
         # worker is a process of its own and warns at most once), not one per read.
         self._warned_pid: int | None = None
@@ -240,6 +242,7 @@ class CachedDataset(Dataset[Any]):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_slot"] = None
+        state["_loading"] = None
         return state
 
     def __len__(self) -> int:
@@ -367,7 +370,7 @@ class CachedDataset(Dataset[Any]):
         tiers.count_miss(self._row, self._count_slot(), stored, enc.nbytes)
         return sample  # already encoded: a transform that modifies it in place cannot reach the cache
 
-    def follow(self, indices: Iterable[int]) -> bool:
+    def follow(self, indices: Iterable[int], ahead: Iterable[int] = ()) -> bool:
         """Keep only ``indices`` in the cache: evict the other samples, and store new ones in the space they held.
 
         For a sampler whose shards change a little every epoch (a :class:`~ignite_ext.data.ShardedDistributedSampler`
@@ -382,8 +385,15 @@ class CachedDataset(Dataset[Any]):
         does nothing, so every rank of a node may make the same call. Evictions are counted in
         :meth:`stats` (``evictions``, ``evicted_bytes``).
 
+        With ``ahead`` (the samples that arrive next epoch; the sampler's ``load_ahead=True``), those are kept too,
+        and loaded and stored meanwhile by a process this call starts (on a node cache, only on the node's local
+        rank 0), niced below the DataLoader workers: next epoch they are hits. That process is killed at the next
+        call and at :meth:`close`, and dies with its parent. The cache then holds the shard plus the samples
+        arriving next (``f`` of a shard more).
+
         Args:
             indices: the dataset indices to keep.
+            ahead: indices to keep as well, and to load ahead of their first read.
 
         Returns:
             Whether the cache follows: False when its capacity cannot spare the bookkeeping (about 16 bytes per
@@ -408,10 +418,33 @@ class CachedDataset(Dataset[Any]):
 
         .. versionadded:: 0.4.0
         """
-        evicted, evicted_bytes, following = self._tiers.follow(list(indices))
+        self._stop_loading()
+        upcoming = list(ahead)
+        evicted, evicted_bytes, following = self._tiers.follow([*indices, *upcoming])
         if evicted:
             self._tiers.ram.count(self._row, self._count_slot(), evictions=evicted, evicted_bytes=evicted_bytes)
+        if following and upcoming and self._row == 0:
+            self._loading = LoadingAhead(self._load_ahead, upcoming)
         return following
+
+    def _load_ahead(self, index: int) -> None:
+        """Load and store ``index`` unless a tier holds it (in the loading-ahead process); counted as loaded ahead."""
+        tiers = self._tiers
+        if tiers.find(index) is not None:
+            return
+        try:
+            enc = encode(self.dataset[index])
+        except Exception:  # the sample's first read loads it again, and says there what failed
+            return
+        stored = tiers.store(index, enc, self._before_publish)
+        if stored is not None:
+            stored.count(self._row, self._count_slot(), entries=1, nbytes=enc.nbytes)
+            tiers.ram.count(self._row, self._count_slot(), loaded_ahead=1)
+
+    def _stop_loading(self) -> None:
+        loading, self._loading = self._loading, None
+        if loading is not None:
+            loading.stop()
 
     def _before_publish(self, index: int) -> None:
         """Run between writing a sample and publishing it; a seam for crash tests, nothing to do otherwise."""
@@ -472,4 +505,5 @@ class CachedDataset(Dataset[Any]):
         Processes that still map it (workers, other ranks) keep a valid mapping until they exit. The creating
         process also releases it when the dataset is garbage-collected or the interpreter exits.
         """
+        self._stop_loading()
         self._tiers.close()

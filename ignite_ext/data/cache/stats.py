@@ -32,6 +32,8 @@ class CacheStats:
             (:meth:`CachedDataset.follow <ignite_ext.data.CachedDataset.follow>`): the cache holds
             ``entries - evictions`` of the samples its processes stored.
         evicted_bytes: the bytes of those entries.
+        loaded_ahead: samples loaded from the wrapped dataset and stored ahead of their first read (``follow(...,
+            ahead=...)``); not reads, so neither hits nor misses. Storage reads are ``misses + loaded_ahead``.
 
     Examples:
         >>> from ignite_ext.data import CacheStats
@@ -48,7 +50,7 @@ class CacheStats:
     .. versionchanged:: 0.2.0
        ``disk_hits``, ``disk_entries``, ``disk_bytes`` and the per-tier properties.
     .. versionchanged:: 0.4.0
-       ``evictions`` and ``evicted_bytes``.
+       ``evictions``, ``evicted_bytes`` and ``loaded_ahead``.
     """
 
     hits: int = 0
@@ -60,6 +62,7 @@ class CacheStats:
     disk_bytes: int = 0
     evictions: int = 0
     evicted_bytes: int = 0
+    loaded_ahead: int = 0
 
     @property
     def reads(self) -> int:

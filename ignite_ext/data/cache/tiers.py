@@ -196,10 +196,10 @@ class Tiers:
 
     def totals(self, row: int) -> tuple[int, ...]:
         """:class:`~ignite_ext.data.cache.stats.CacheStats`' fields, in order, of ``row`` (a rank)."""
-        hits, misses, entries, nbytes, evictions, evicted = self.ram.totals(row)
+        hits, misses, entries, nbytes, evictions, evicted, ahead = self.ram.totals(row)
         disk = self.disk
-        disk_hits, _, disk_entries, disk_bytes, disk_evictions, disk_evicted = (
-            disk.totals(row) if disk is not None else (0,) * 6
+        disk_hits, _, disk_entries, disk_bytes, disk_evictions, disk_evicted, _ = (
+            disk.totals(row) if disk is not None else (0,) * 7
         )
         return (
             hits + disk_hits,
@@ -211,6 +211,7 @@ class Tiers:
             disk_bytes,
             evictions + disk_evictions,
             evicted + disk_evicted,
+            ahead,
         )
 
     def close(self) -> None:

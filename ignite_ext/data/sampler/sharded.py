@@ -89,6 +89,10 @@ class ShardedDistributedSampler(DistributedSampler[int]):
             starts, it is told what its readers read
             (:meth:`CachedDataset.follow <ignite_ext.data.CachedDataset.follow>`), evicts what left and stores
             what arrived in the freed space.
+        load_ahead: with ``mix > 0`` over a :class:`~ignite_ext.data.CachedDataset`, also have the cache load the
+            samples that arrive next epoch during this one, in a low-priority process of its own (see
+            :meth:`CachedDataset.follow <ignite_ext.data.CachedDataset.follow>`), so that they are hits too; the
+            cache then holds ``f`` of a shard more. Default False.
 
     Attributes:
         num_shards: how many shards the dataset is cut into: ``num_replicas``, or ``nnodes`` with
@@ -133,7 +137,8 @@ class ShardedDistributedSampler(DistributedSampler[int]):
     .. versionchanged:: 0.2.0
         A state saved on another world size continues its epoch (restriped) instead of restarting it.
     .. versionchanged:: 0.4.0
-        ``mix``: shards that exchange a fraction of their samples each epoch.
+        ``mix``: shards that exchange a fraction of their samples each epoch, followed by a cache over them;
+        ``load_ahead``.
     """
 
     def __init__(
@@ -151,12 +156,15 @@ class ShardedDistributedSampler(DistributedSampler[int]):
         nproc_per_node: int | None = None,
         local_rank: int | None = None,
         mix: float = 0.0,
+        load_ahead: bool = False,
     ) -> None:
         if not isinstance(dataset, Sized):
             raise TypeError(f"dataset must have a length (a map-style dataset), got {type(dataset).__name__}")
         place = resolve_placement(num_replicas, rank, shard_by, nnodes, node_rank, nproc_per_node, local_rank)
         seed = check_int("seed", seed)
         mix = check_mix(mix)
+        if not isinstance(load_ahead, bool):
+            raise TypeError(f"load_ahead must be True or False, got {load_ahead!r}")
         # Explicit values: torch's constructor would otherwise ask torch.distributed, which is not initialised
         # under Horovod, XLA or in serial mode.
         super().__init__(
@@ -169,6 +177,7 @@ class ShardedDistributedSampler(DistributedSampler[int]):
         )
         self.shard_by: Literal["rank", "node"] = shard_by
         self.mix = mix
+        self.load_ahead = load_ahead
         self.layout = place.layout
         self.nnodes: int | None = place.nnodes
         self.node_rank: int | None = place.node_rank
@@ -219,7 +228,13 @@ class ShardedDistributedSampler(DistributedSampler[int]):
         if shards is None:
             return
         pool = mixed_shards(self._dataset_len, self.num_shards, self.seed, self.epoch, self.mix)
-        follow([index for shard in shards for index in pool[shard]])
+        keep = [index for shard in shards for index in pool[shard]]
+        if not self.load_ahead:
+            follow(keep)
+            return
+        upcoming = mixed_shards(self._dataset_len, self.num_shards, self.seed, self.epoch + 1, self.mix)
+        here = set(keep)
+        follow(keep, ahead=[index for shard in shards for index in upcoming[shard] if index not in here])
 
     def indices(self, epoch: int | None = None) -> list[int]:
         """Return this rank's indices for a whole epoch on its fixed shard, without changing the sampler's state.
