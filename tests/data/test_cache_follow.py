@@ -440,3 +440,30 @@ def _start_slow_loading(out: Any) -> None:
     ds.follow(range(16, 48), ahead=range(48, 64))
     out.put((first, ds._loading._process.pid))  # type: ignore[union-attr]
     time.sleep(120)
+
+
+def test_both_tiers_follow_the_shard(tmp_path: Any) -> None:
+    n, shards, epochs, mix = 600, 3, 5, 0.25
+    ds = CachedDataset(  # type: ignore[arg-type]
+        CountingDataset(n), capacity_bytes=128 << 10, disk_dir=tmp_path, disk_bytes=16 << 20
+    )
+    try:
+        sampler = ShardedDistributedSampler(ds, num_replicas=shards, rank=0, seed=1, mix=mix)
+        pools = [set(mixed_shards(n, shards, 1, e, mix)[0]) for e in range(epochs)]
+        used: list[tuple[int, int]] = []
+        before = ds.stats()
+        for e in range(epochs):
+            sampler.set_epoch(e)
+            for i in sampler:
+                assert ds[i]["x"][0].item() == float(i)
+            now = ds.stats()
+            if e:
+                stayed = len(pools[e] & pools[e - 1])
+                assert ((now - before).hits, (now - before).misses) == (stayed, len(pools[e]) - stayed)
+            assert now.disk_hits > 0 or e == 0  # the shard does not fit the RAM tier: both serve it
+            assert now.entries - now.evictions == len(pools[e])
+            used.append((ds._tiers.ram.used, ds._tiers.disk.used))  # type: ignore[union-attr]
+            before = now
+        assert all(u == used[0] for u in used)  # neither tier grows: arrivals took departures' space
+    finally:
+        ds.close()

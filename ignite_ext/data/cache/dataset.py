@@ -56,7 +56,10 @@ class CachedDataset(Dataset[Any]):
     header plus the raw bytes of their tensors and arrays. Every read returns tensors and arrays of its own (copies
     under 128 KiB, private copy-on-write views of the cache from 128 KiB up, which cost no copy unless written to):
     modifying a sample never changes the cache, nor what a later read gets. Nothing is evicted: once the cache is
-    full, samples not in it are loaded from ``dataset`` each time they are read (and counted as misses).
+    full, samples not in it are loaded from ``dataset`` each time they are read (and counted as misses). The one
+    exception is asked for: a cache told what its readers will read (:meth:`follow`, which a
+    :class:`~ignite_ext.data.ShardedDistributedSampler` with ``mix > 0`` calls each epoch) evicts the rest and
+    reuses its space; its reads are then copies, large ones included.
 
     With ``disk_dir``, what does not fit ``capacity_bytes`` goes to a second tier: one file in that node-local
     directory, of the same layout and with the same guarantees as the RAM one, shared the same way (by the rank's
