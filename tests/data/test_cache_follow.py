@@ -266,6 +266,7 @@ def test_each_epoch_hits_exactly_what_stayed_and_the_cache_holds_one_shard(mix: 
         assert base.loads() == [sum(i in p and (e == 0 or i not in pools[e - 1]) for e, p in enumerate(pools))
                                 for i in range(n)]  # fmt: skip
         big = ds[min(pools[-1])]
+        assert not lent(big["x"], ds)  # a following cache lends nothing, however large
         big["x"].fill_(-1.0)  # a reader's own copy: the cache is unchanged
         assert ds[min(pools[-1])]["x"][0].item() == float(min(pools[-1]))
     finally:
@@ -325,7 +326,7 @@ def _train_mixing(base: CountingDataset, shard_by: str, mix: float, epochs: int)
 def test_node_caches_follow_the_nodes_shards_on_two_nodes(world: World, shard_by: str) -> None:
     n, epochs, mix = 400, 4, 0.25
     base = CountingDataset(n, context="forkserver")
-    out = world(_train_mixing, base, shard_by, mix, epochs, nproc_per_node=2, deadline=180)
+    out = world(_train_mixing, base, shard_by, mix, epochs, nproc_per_node=2, deadline=120)
     shards = 2 if shard_by == "node" else 4
     for node in range(2):
         mine = [node] if shard_by == "node" else [2 * node, 2 * node + 1]
@@ -362,6 +363,7 @@ def test_an_epoch_resumed_on_another_world_keeps_the_cache_and_the_next_epoch_fo
         rest = list(new)
         for i in rest:
             ds[i]
+        assert ds.stats().evictions == evictions  # the whole restriped pass evicted nothing
         assert ds.stats().entries - ds.stats().evictions >= held
         new.set_epoch(3)  # the next epoch follows the new world's shard
         shard = set(mixed_shards(n, 2, 2, 3, mix)[0])
@@ -413,7 +415,7 @@ def test_loading_ahead_makes_the_arrivals_hits_and_holds_the_shard_plus_what_arr
 def test_the_loading_ahead_process_is_killed_at_the_next_epoch_and_dies_with_its_parent() -> None:
     ctx = mp.get_context("fork")
     out = ctx.Queue()
-    parent = ctx.Process(target=_start_slow_loading, args=(out,), daemon=False)
+    parent = ctx.Process(target=_start_slow_loading, args=(out,), daemon=True)  # a daemonic rank may load ahead
     parent.start()
     first, second = out.get(timeout=60)
     assert not _alive(first)  # killed when the next epoch followed
@@ -436,9 +438,9 @@ def _alive(pid: int) -> bool:
 def _start_slow_loading(out: Any) -> None:
     ds = CachedDataset(CountingDataset(64, delay=5.0), capacity_bytes=4 << 20)  # type: ignore[arg-type]
     ds.follow(range(32), ahead=range(32, 64))
-    first = ds._loading._process.pid  # type: ignore[union-attr]
+    first = ds._loading.pid  # type: ignore[union-attr]
     ds.follow(range(16, 48), ahead=range(48, 64))
-    out.put((first, ds._loading._process.pid))  # type: ignore[union-attr]
+    out.put((first, ds._loading.pid))  # type: ignore[union-attr]
     time.sleep(120)
 
 
@@ -465,5 +467,103 @@ def test_both_tiers_follow_the_shard(tmp_path: Any) -> None:
             used.append((ds._tiers.ram.used, ds._tiers.disk.used))  # type: ignore[union-attr]
             before = now
         assert all(u == used[0] for u in used)  # neither tier grows: arrivals took departures' space
+    finally:
+        ds.close()
+
+
+class _Header:
+    """An arena's header words, with a hook called after each write of one word (for interleavings in one process)."""
+
+    def __init__(self, words: Any, word: int, hook: Any) -> None:
+        self.words, self.word, self.hook = words, word, hook
+
+    def __getitem__(self, i: int) -> int:
+        return int(self.words[i])
+
+    def __setitem__(self, i: int, value: int) -> None:
+        self.words[i] = value
+        if i == self.word:
+            self.hook()
+
+
+def test_a_reader_that_sees_the_new_era_sees_the_evicted_entries_gone() -> None:
+    from ignite_ext.data.cache._mapping import H_ERA
+
+    arena = Arena.create(n=4, capacity=1 << 20)
+    try:
+        arena.follow(range(4))
+        for i in range(4):
+            assert store(arena, i, 500)
+        local = arena._mapped()
+        seen: list[tuple[bool, bool]] = []
+        # The moment the era changes, a reader starts: it must find the evicted entries gone (else it would copy
+        # bytes that the next writer may rewrite, under an era that does not change any more).
+        words = local.header
+        local.header = _Header(words, H_ERA, lambda: seen.append((arena.holds(0), arena.holds(1))))
+        try:
+            arena.follow([2, 3])
+        finally:
+            local.header = words
+        assert seen == [(False, False)]
+    finally:
+        arena.close()
+
+
+def test_a_reservation_that_meets_the_first_follow_is_recorded_as_being_written() -> None:
+    arena = Arena.create(n=4, capacity=1 << 20)
+    other = Arena.attach(arena.path)  # another process's handle: its own lock descriptor
+    try:
+        original = Arena._locked
+        calls = []
+
+        def meet(self: Arena, local: Any) -> Any:
+            if self is arena and not calls:
+                calls.append(other.follow(range(4)).following)  # between reserve's check and its lock
+            return original(self, local)
+
+        Arena._locked = meet  # type: ignore[method-assign]
+        try:
+            held = arena.reserve(0, 1000)  # checked before the arena followed, taken after
+        finally:
+            Arena._locked = original  # type: ignore[method-assign]
+        assert calls == [True] and held is not None
+        other.follow([1])  # recounts the space: the range being written must not be handed out
+        assert other.reserve(1, 1000) != held
+        arena.data_view(held, 1000)[:] = payload(0, 1000)
+        assert arena.publish(0, held, 1000) is True
+        assert bytes(arena.lookup(0)) == payload(0, 1000)
+    finally:
+        other.close()
+        arena.close()
+
+
+def test_loading_ahead_stops_at_the_first_sample_the_cache_has_no_room_for() -> None:
+    ds = CachedDataset(CountingDataset(200, size=1024), capacity_bytes=256 << 10)  # type: ignore[arg-type]
+    try:
+        assert ds.follow([], ahead=[])
+        for i in range(20):
+            ds[i]
+        stored = ds.stats().entries
+        # No room for all of them: it loads until the first one that does not fit, then stops, counting each load.
+        assert ds._load_ahead(0) is True  # held already: nothing loaded
+        loaded = 0
+        for i in range(20, 200):
+            loaded += 1
+            if not ds._load_ahead(i):
+                break
+        assert 20 < loaded < 180  # some fitted, then one did not: it stopped there
+        assert ds.stats().loaded_ahead == loaded and ds.stats().entries == stored + loaded - 1
+    finally:
+        ds.close()
+
+
+def test_a_persisted_cache_does_not_follow(tmp_path: Any) -> None:
+    ds = CachedDataset(CountingDataset(40), disk_dir=tmp_path, persist=True)  # type: ignore[arg-type]
+    try:
+        for i in range(40):
+            ds[i]
+        assert ds.follow(range(10)) is False  # what it holds is for the next jobs too
+        assert ds.stats().evictions == 0 and ds.stats().entries == 40
+        assert all(ds._tiers.holds(i) for i in range(40))
     finally:
         ds.close()

@@ -7,6 +7,9 @@ node sees it, and it lives and dies with the arena)::
 
     count of free ranges | in-flight table: INFLIGHT x (pid, offset, size) | free offsets: F | free sizes: F
 
+Every write here is ordered so that a process SIGKILLed between two of them (the loading-ahead process is killed
+at each epoch's start) leaves space unused until the next rebuild, never a free range over bytes in use.
+
 *Free ranges* are the gaps between the ranges that published entries, in-flight writes and everything below the
 arena's *pin* occupy, recomputed from the index table at each eviction (:meth:`FollowSpace.rebuild`), so a range
 lost to a killed writer or to a lost publishing race comes back then; between evictions they only shrink, as
@@ -89,8 +92,10 @@ class FollowSpace:
         if sizes[first] < nbytes:
             return None
         offset = int(self._offsets[first])
-        self._offsets[first] += np.uint64(nbytes)
+        # The size first: killed between the two, the range keeps its start and loses its end (space lost until the
+        # next rebuild), never the other way round, which would make it reach into the next range's bytes.
         sizes[first] -= np.uint64(nbytes)
+        self._offsets[first] += np.uint64(nbytes)
         return offset
 
     def free_bytes(self) -> int:
@@ -106,14 +111,16 @@ class FollowSpace:
             if not dead:
                 return False
             free = np.array(dead)
-        table[int(free[0])] = (pid, offset, nbytes)
+        slot = int(free[0])
+        table[slot, _OFFSET], table[slot, _SIZE] = offset, nbytes
+        table[slot, _PID] = pid  # last: a slot killed half-written has no pid, and holds nothing
         return True
 
     def release(self, pid: int, offset: int) -> None:
         """Forget ``pid``'s write at ``offset`` (published, lost to another writer, or abandoned)."""
         table = self._inflight
         for slot in np.flatnonzero((table[:, _PID] == pid) & (table[:, _OFFSET] == offset)):
-            table[int(slot)] = (0, 0, 0)
+            table[int(slot), _PID] = 0
 
     def rebuild(self, live_offsets: np.ndarray, live_sizes: np.ndarray, pin: int, used: int) -> None:
         """Make the free ranges the gaps in ``[pin, used)`` between the live ranges and the live in-flight ones.
@@ -123,8 +130,8 @@ class FollowSpace:
         table = self._inflight
         for slot in np.flatnonzero(table[:, _PID] != 0):
             if not pid_alive(int(table[slot, _PID])):
-                table[int(slot)] = (0, 0, 0)
-        held = table[table[:, _PID] != 0]
+                table[int(slot), _PID] = 0
+        held = table[table[:, _PID] != 0]  # a copy
         starts = np.concatenate([live_offsets.astype(np.int64), held[:, _OFFSET].astype(np.int64)])
         ends = starts + np.concatenate([live_sizes.astype(np.int64), held[:, _SIZE].astype(np.int64)])
         order = np.argsort(starts, kind="stable")
@@ -137,6 +144,7 @@ class FollowSpace:
         keep = gap_ends - gap_starts >= ALIGN
         gap_starts, gap_ends = gap_starts[keep], gap_ends[keep]
         count = len(gap_starts)
+        self._count[0] = 0  # killed while the ranges are rewritten, there are none until the next rebuild
         self._offsets[:count] = gap_starts
         self._sizes[:count] = gap_ends - gap_starts
         self._count[0] = count

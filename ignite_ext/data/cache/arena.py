@@ -506,7 +506,7 @@ class Arena:
 
     @property
     def full(self) -> bool:
-        """Whether an allocation has failed for lack of room."""
+        """Whether an allocation has failed for lack of room (in a following arena: since the last eviction)."""
         return bool(self._mapped().header[H_FULL])
 
     def lookup(self, index: int) -> memoryview | None:
@@ -534,6 +534,13 @@ class Arena:
                 return memoryview(copy)
         return None
 
+    def holds(self, index: int) -> bool:
+        """Whether ``index`` has a published entry (without copying it, as :meth:`lookup` does in a following arena).
+
+        .. versionadded:: 0.4.0
+        """
+        return bool(self._mapped().table[index * ENTRY_WORDS] == READY)
+
     @property
     def following(self) -> bool:
         """Whether the arena follows a shard (:meth:`follow`): then it evicts, and :meth:`lookup` copies.
@@ -556,6 +563,8 @@ class Arena:
         if local.table[index * ENTRY_WORDS] != EMPTY or header[H_USED] + size > header[H_CAPACITY]:
             return None  # checked without the lock first, so a full cache costs no lock per miss
         with self._locked(local):
+            if header[H_FOLLOW]:  # another process made it follow since the check above: its tail is reusable
+                return self._take_following(local, index, size)
             offset = header[H_USED]
             if page_offset is not None:  # the data area starts on a page: offsets in it are file offsets mod PAGE
                 offset += (-(offset + page_offset)) % PAGE
@@ -600,27 +609,31 @@ class Arena:
 
     def _reserve_following(self, local: Local, index: int, size: int) -> int | None:
         """:meth:`reserve` in a following arena: the first free range that fits, else the unused tail."""
-        header = local.header
-        if local.table[index * ENTRY_WORDS] != EMPTY:
-            return None
+        if local.table[index * ENTRY_WORDS] != EMPTY or local.header[H_FULL]:
+            return None  # full since the last eviction (which clears the flag): no lock per miss
         with self._locked(local):
-            space = self._space(local)
-            if space is None or local.table[index * ENTRY_WORDS] != EMPTY:
+            return self._take_following(local, index, size)
+
+    def _take_following(self, local: Local, index: int, size: int) -> int | None:
+        """:meth:`_reserve_following`'s work, under the lock: the range, recorded as being written by this process."""
+        header = local.header
+        space = self._space(local)
+        if space is None or local.table[index * ENTRY_WORDS] != EMPTY:
+            return None
+        offset = space.take(size)
+        if offset is None:
+            offset = int(header[H_USED])
+            if offset + size > header[H_CAPACITY]:
+                header[H_FULL] = 1
                 return None
-            offset = space.take(size)
-            if offset is None:
-                offset = int(header[H_USED])
-                if offset + size > header[H_CAPACITY]:
-                    header[H_FULL] = 1
-                    return None
-                try:
-                    os.posix_fallocate(local.arena_fd, header[H_DATA] + offset, size)  # see reserve()
-                except OSError:
-                    header[H_FULL] = 1
-                    return None
-                header[H_USED] = offset + size
-            if not space.hold(local.pid, offset, size):
-                return None  # every in-flight slot is a live writer's: the range comes back at the next eviction
+            try:
+                os.posix_fallocate(local.arena_fd, header[H_DATA] + offset, size)  # see reserve()
+            except OSError:
+                header[H_FULL] = 1
+                return None
+            header[H_USED] = offset + size
+        if not space.hold(local.pid, offset, size):
+            return None  # every in-flight slot is a live writer's: the range comes back at the next eviction
         return offset
 
     def abandon(self, offset: int) -> None:
@@ -693,11 +706,14 @@ class Arena:
             ready = table[:, 0] == READY
             gone = ready & ~wanted
             evicted, evicted_bytes = int(gone.sum()), int(table[gone, 2].sum())
-            header[H_ERA] += 1  # first: a reader whose copy overlaps what follows sees it changed
             table[gone, 0] = EMPTY
+            # Then the era, and only then is any freed range handed out: a reader that saw the old era and copies
+            # bytes written later sees the new era after its copy; one that sees the new era sees the entry EMPTY.
+            header[H_ERA] += 1
             live = table[ready & wanted]
             sizes = (live[:, 2] + (ALIGN - 1)) // ALIGN * ALIGN
             space.rebuild(live[:, 1], sizes, pin=int(header[H_PIN]), used=int(header[H_USED]))
+            header[H_FULL] = 0
             header[H_DIGEST] = digest
             del table, live
         return Followed(evicted, evicted_bytes, True)

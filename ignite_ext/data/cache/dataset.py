@@ -390,9 +390,10 @@ class CachedDataset(Dataset[Any]):
 
         With ``ahead`` (the samples that arrive next epoch; the sampler's ``load_ahead=True``), those are kept too,
         and loaded and stored meanwhile by a process this call starts (on a node cache, only on the node's local
-        rank 0), niced below the DataLoader workers: next epoch they are hits. That process is killed at the next
-        call and at :meth:`close`, and dies with its parent. The cache then holds the shard plus the samples
-        arriving next (``f`` of a shard more).
+        rank 0), niced below the DataLoader workers, until the first one the cache has no room for: next epoch
+        they are hits. That process is killed at the next call and at :meth:`close`, and dies with the thread that
+        started it. The cache then holds the shard plus the samples arriving next (``f`` of a shard more). A
+        persisted cache (``persist=True``) does not follow: what it holds is for the next jobs too.
 
         Args:
             indices: the dataset indices to keep.
@@ -430,19 +431,30 @@ class CachedDataset(Dataset[Any]):
             self._loading = LoadingAhead(self._load_ahead, upcoming)
         return following
 
-    def _load_ahead(self, index: int) -> None:
-        """Load and store ``index`` unless a tier holds it (in the loading-ahead process); counted as loaded ahead."""
+    def _load_ahead(self, index: int) -> bool:
+        """Load and store ``index`` unless a tier holds it (in the loading-ahead process); False: no room, stop.
+
+        Every load is counted as loaded ahead (a storage read), stored or not.
+        """
         tiers = self._tiers
-        if tiers.find(index) is not None:
-            return
+        if tiers.holds(index):
+            return True
         try:
-            enc = encode(self.dataset[index])
+            sample = self.dataset[index]
         except Exception:  # the sample's first read loads it again, and says there what failed
-            return
+            return True
+        slot = self._count_slot()
+        try:
+            enc = encode(sample)
+        except Exception:  # uncacheable: its reads say so
+            tiers.ram.count(self._row, slot, loaded_ahead=1)
+            return True
         stored = tiers.store(index, enc, self._before_publish)
+        tiers.ram.count(self._row, slot, loaded_ahead=1)
         if stored is not None:
-            stored.count(self._row, self._count_slot(), entries=1, nbytes=enc.nbytes)
-            tiers.ram.count(self._row, self._count_slot(), loaded_ahead=1)
+            stored.count(self._row, slot, entries=1, nbytes=enc.nbytes)
+            return True
+        return tiers.holds(index)  # not stored and nobody else did: the cache is full
 
     def _stop_loading(self) -> None:
         loading, self._loading = self._loading, None

@@ -127,6 +127,7 @@ class Tiers:
 
     def __init__(self, arenas: Sequence[Arena], persisted: bool = False) -> None:
         self.arenas = tuple(arenas)
+        self.persisted = persisted
         # A persisted disk tier takes every new sample: the RAM tier, which dies with the job, takes none.
         self._stored_in = self.arenas[1:] if persisted else self.arenas
 
@@ -139,6 +140,13 @@ class Tiers:
     def disk(self) -> Arena | None:
         """The disk tier, or None."""
         return self.arenas[1] if len(self.arenas) > 1 else None
+
+    def holds(self, index: int) -> bool:
+        """Whether a tier holds ``index`` (nothing is copied).
+
+        .. versionadded:: 0.4.0
+        """
+        return any(arena.holds(index) for arena in self.arenas)
 
     def find(self, index: int) -> tuple[Arena, memoryview] | None:
         """The first tier that holds ``index``, and the published bytes there; None if no tier does."""
@@ -157,7 +165,7 @@ class Tiers:
         for arena in self._stored_in:
             offset = arena.reserve(index, enc.nbytes, enc.page_offset)
             if offset is None:
-                if arena.lookup(index) is not None:  # another process published it meanwhile
+                if arena.holds(index):  # another process published it meanwhile
                     return None
                 continue  # no room here: the next tier
             try:
@@ -173,16 +181,18 @@ class Tiers:
         """Keep only the indices of ``keep`` in every tier: ``(evicted, evicted_bytes, following)`` over the tiers.
 
         See :meth:`Arena.follow <ignite_ext.data.cache.arena.Arena.follow>`; ``following`` is whether every tier
-        that takes new samples follows (a persisted cache's RAM tier takes none).
+        follows. A persisted cache (see :mod:`~ignite_ext.data.cache.persist`) does not follow: what it holds is
+        for the next jobs too.
 
         .. versionadded:: 0.4.0
         """
         import numpy as np
 
+        if self.persisted:
+            return 0, 0, False  # a persisted tier keeps what it holds for the next jobs: it never evicts
         indices = np.asarray(keep, dtype=np.int64)
         done = [arena.follow(indices) for arena in self.arenas]
-        following = all(d.following for arena, d in zip(self.arenas, done, strict=True) if arena in self._stored_in)
-        return sum(d.evicted for d in done), sum(d.evicted_bytes for d in done), following
+        return sum(d.evicted for d in done), sum(d.evicted_bytes for d in done), all(d.following for d in done)
 
     def count_miss(self, row: int, slot: int, stored: Arena | None = None, nbytes: int = 0) -> None:
         """Count a miss (in the RAM tier) and, when the sample was stored, an entry of ``nbytes`` in ``stored``."""
