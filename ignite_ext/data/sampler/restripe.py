@@ -98,8 +98,10 @@ def unconsumed_indices(
         for order in orders:
             for idx in order[:consumed]:
                 seen[idx] = 1
-        pool = [idx for idx in pool if not seen[idx]]
-    return sorted(pool)
+        # Sorted, as :func:`restripe` dealt it to the next segment: segment 0's mixed pool is not in index order,
+        # and replaying a later segment from an unsorted pool names other samples than its ranks consumed.
+        pool = sorted(idx for idx in pool if not seen[idx])
+    return list(pool)
 
 
 def restripe(
