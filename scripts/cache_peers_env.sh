@@ -9,7 +9,7 @@
 # they share the same torch, numpy and Python.
 #
 # The venv is kept outside the repository (~/.cache/ignite_ext/venvs, about 1.5 GB, a few minutes to create here),
-# keyed by the versions; nothing is downloaded once it exists.
+# keyed by the versions and the recipe; nothing is downloaded once it exists.
 # Usage: bash scripts/cache_peers_env.sh [--check]    prints the venv's python on its last line
 #   --check: only say whether it is there; never create it (what the tests use: they install nothing).
 # Exit status: 0 when litdata and streaming import in it, non-zero otherwise (the caller decides what to do).
@@ -17,14 +17,30 @@ set -euo pipefail
 trap 'echo "[cache-peers] FAILED (exit $?) at line $LINENO: $BASH_COMMAND" >&2' ERR
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$ROOT/scripts/_requirements.sh"
 TORCH="${CACHE_PEERS_TORCH:-2.13.0}"
 LITDATA="${CACHE_PEERS_LITDATA:-0.2.76}"
 STREAMING="${CACHE_PEERS_STREAMING:-0.13.0}"
 CACHE="${IGNITE_EXT_CACHE:-$HOME/.cache/ignite_ext}"
-VENV="$CACHE/venvs/cache_peers_torch-${TORCH}_litdata-${LITDATA}_streaming-${STREAMING}"
 PY="${PYTHON:-python3.11}"
 command -v "$PY" >/dev/null || PY=python3
 export PIP_DISABLE_PIP_VERSION_CHECK=1
+# The dependencies of ignite_ext from its setup.py (the package itself comes from the working tree at run time).
+own_requirements OWN_DEPS
+
+make_env() {
+  "$PY" -m venv "$VENV"
+  "$VENV/bin/pip" install -q "torch==$TORCH" >&2
+  "$VENV/bin/pip" install -q "torch==$TORCH" "litdata==$LITDATA" "mosaicml-streaming==$STREAMING" psutil \
+    "${OWN_DEPS[@]}" >&2
+  "$VENV/bin/pip" uninstall -q -y torchvision >&2
+}
+
+# Keyed by the versions and by how it is made (this function and the requirements): a change to either makes a new
+# environment, so an environment an earlier run left can never hide a broken recipe.
+KEY="$( (declare -f make_env; printf '%s\n' "$PY" "${OWN_DEPS[@]}") | sha256sum | cut -c1-10)"
+PREFIX="$CACHE/venvs/cache_peers_torch-${TORCH}_litdata-${LITDATA}_streaming-${STREAMING}"
+VENV="${PREFIX}_${KEY}"
 
 ready() {
   [ -f "$VENV/.complete" ] && PYTHONPATH="$ROOT" "$VENV/bin/python" -c \
@@ -37,20 +53,8 @@ if ! ready && [ "${1:-}" = "--check" ]; then
 fi
 if ! ready; then
   echo "[cache-peers] creating $VENV (torch $TORCH CPU, litdata $LITDATA, mosaicml-streaming $STREAMING)" >&2
-  rm -rf "$VENV"
-  "$PY" -m venv "$VENV"
-  "$VENV/bin/pip" install -q "torch==$TORCH" >&2
-  # The dependencies of ignite_ext from its setup.py (the package itself comes from the working tree at run time).
-  read -r -a OWN_DEPS <<<"$("$VENV/bin/python" - "$ROOT/setup.py" <<'PYEOF'
-import ast, sys
-tree = ast.parse(open(sys.argv[1]).read())
-calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
-print(" ".join(next(ast.literal_eval(k.value) for n in calls for k in n.keywords if k.arg == "install_requires")))
-PYEOF
-)"
-  "$VENV/bin/pip" install -q "torch==$TORCH" "litdata==$LITDATA" "mosaicml-streaming==$STREAMING" psutil \
-    "${OWN_DEPS[@]}" >&2
-  "$VENV/bin/pip" uninstall -q -y torchvision >&2
+  rm -rf "$PREFIX" "$PREFIX"_*  # the environments of earlier recipes (1.5 GB each)
+  make_env
   touch "$VENV/.complete"
   ready
 fi

@@ -29,21 +29,32 @@ CONTRACT=(tests/distributed/test_store_contract.py tests/distributed/test_proces
 FULL=("${CONTRACT[@]}" tests/distributed/test_liveness.py tests/distributed/test_fault_sweep.py
   tests/backends/test_matrix.py tests/test_examples.py)
 
+source "$ROOT/scripts/_requirements.sh"
+# The package's own requirements and its test extra, whole (torch and pytorch-ignite are pinned per pair).
+own_requirements OWN_DEPS --extra test --without torch --without pytorch-ignite
+
+make_env() {  # make_env VENV TORCH IGNITE
+  local venv="$1" torch_v="$2" ignite_v="$3" numpy="numpy>=1.26"
+  # torch before 2.3 was built against numpy 1.x
+  case "$torch_v" in 2.1.*|2.2.*) numpy="numpy>=1.26,<2" ;; esac
+  "$PY" -m venv "$venv"
+  "$venv/bin/pip" install -q "torch==$torch_v" "pytorch-ignite==$ignite_v" "$numpy" >&2
+  "$venv/bin/pip" install -q --no-deps -e . >&2
+  "$venv/bin/pip" install -q "$numpy" "${OWN_DEPS[@]}" >&2
+}
+# Keyed by the versions and by how it is made (make_env and the requirements): a change to either makes a new
+# environment, so an environment an earlier run left can never hide a broken recipe.
+RECIPE="$( (declare -f make_env; printf '%s\n' "$PY" "${OWN_DEPS[@]}") | sha256sum | cut -c1-10)"
+
 status=0
 for pair in "${PAIRS[@]}"; do
   torch_v="${pair%%:*}"; ignite_v="${pair##*:}"
-  venv="$CACHE/venvs/compat_torch-${torch_v}_ignite-${ignite_v}"
+  prefix="$CACHE/venvs/compat_torch-${torch_v}_ignite-${ignite_v}"
+  venv="${prefix}_${RECIPE}"
   if [ ! -f "$venv/.ready" ]; then
     echo "[compat] creating $venv" >&2
-    rm -rf "$venv"
-    "$PY" -m venv "$venv"
-    numpy="numpy>=1.26"
-    # torch before 2.3 was built against numpy 1.x
-    case "$torch_v" in 2.1.*|2.2.*) numpy="numpy>=1.26,<2" ;; esac
-    "$venv/bin/pip" install -q "torch==$torch_v" "pytorch-ignite==$ignite_v" "$numpy" >&2
-    "$venv/bin/pip" install -q --no-deps -e . >&2
-    "$venv/bin/pip" install -q "filelock>=3.20.3" "tqdm>=4.60" "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100" \
-      "psutil>=5.9" >&2
+    rm -rf "$prefix" "$prefix"_*  # the environments of earlier recipes (a few GB each)
+    make_env "$venv" "$torch_v" "$ignite_v"
     touch "$venv/.ready"
   fi
   selection=("${CONTRACT[@]}")

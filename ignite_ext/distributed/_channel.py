@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 
@@ -34,19 +35,29 @@ __all__ = [
 ]
 
 _LOGGER_NAME = "ignite_ext.distributed"
+_IGNITE_FORMAT = "%(asctime)s %(name)s %(levelname)s: %(message)s"  # ignite.utils.setup_logger's default
+_SETUP_LOCK = threading.Lock()
 
 
 def log() -> logging.Logger:
-    """The scheduler's logger, set up the ignite way on first use unless the application configured it.
+    """The scheduler's logger, set up the ignite way on first use unless the application configured logging.
 
-    ``distributed_rank=0`` because the lines that matter come from waiting ranks, which ignite's default
-    (output on rank 0 only) would silence.
+    Configured means a handler or a level on this logger, or a handler on the root logger (``basicConfig``): then
+    its choices stand. Otherwise the logger gets what ``ignite.utils.setup_logger`` gives a new logger (INFO, a
+    stderr handler in ignite's format, no propagation), on every rank: the lines that matter come from waiting
+    ranks, which ignite's default (output on rank 0 only) would silence. It is added here rather than through
+    ``setup_logger``, which leaves a logger that already exists as it is, and this one exists from import on.
     """
     logger = logging.getLogger(_LOGGER_NAME)
-    if not logger.handlers:
-        from ignite.utils import setup_logger
-
-        setup_logger(_LOGGER_NAME, level=logging.INFO, distributed_rank=0)
+    if logger.handlers or logger.level != logging.NOTSET or logging.getLogger().handlers:
+        return logger
+    with _SETUP_LOCK:
+        if not logger.handlers:
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter(_IGNITE_FORMAT))
+            logger.addHandler(handler)
+            logger.setLevel(logging.INFO)
+            logger.propagate = False
     return logger
 
 
