@@ -20,7 +20,9 @@ SETUP = Path(__file__).resolve().parent.parent / "setup.py"
 
 def _literal(tree: ast.Module, name: str) -> object:
     """The literal a module-level name or a ``setup(...)`` keyword holds (``setup.py`` is never run)."""
-    assigned = {t.id: n.value for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+    assigned = {
+        t.id: n.value for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)
+    }
     for node in ast.walk(tree):
         if isinstance(node, ast.keyword) and node.arg == name:
             return _resolve(node.value, assigned)
@@ -37,7 +39,11 @@ def _resolve(node: ast.expr, assigned: dict[str, ast.expr]) -> object:
             items += value if isinstance(element, ast.Starred) and isinstance(value, list) else [value]
         return items
     if isinstance(node, ast.Dict):
-        return {_resolve(k, assigned): _resolve(v, assigned) for k, v in zip(node.keys, node.values) if k is not None}
+        return {
+            _resolve(k, assigned): _resolve(v, assigned)
+            for k, v in zip(node.keys, node.values, strict=True)
+            if k is not None
+        }
     return ast.literal_eval(node)
 
 

@@ -11,8 +11,8 @@ done
 if [ -n "$FAST" ]; then
   export IGNITE_EXT_NO_HOROVOD=1 IGNITE_EXT_NO_PEERS=1 IGNITE_EXT_NO_CACHE_PEERS=1 IGNITE_EXT_NO_COMPAT=1
 fi
-echo "[test] ruff";   ruff check ignite_ext tests benchmarks examples docs/conf.py setup.py
-ruff format --check ignite_ext tests benchmarks examples docs/conf.py setup.py
+echo "[test] ruff";   ruff check ignite_ext tests benchmarks examples scripts docs/conf.py setup.py
+ruff format --check ignite_ext tests benchmarks examples scripts docs/conf.py setup.py
 echo "[test] mypy";   mypy
 # optional_step NAME TAG SKIP_VAR FAILED_VAR LINES WHAT SCRIPT: runs SCRIPT, logged; shows its "[TAG]" lines or, if it
 # fails, says so loudly (WHAT, then the log's last LINES lines) and exports FAILED_VAR, which the tests that need

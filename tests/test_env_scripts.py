@@ -55,7 +55,7 @@ def test_extras_and_pinned_distributions_as_the_version_fence_asks() -> None:
 @pytest.mark.parametrize("script", ENV_SCRIPTS, ids=lambda p: p.name)
 def test_every_recipe_keys_its_environment_by_itself_and_reads_setup_py_through_the_helper(script: Path) -> None:
     text = script.read_text(encoding="utf-8")
-    assert "install_requires" not in text and "setup.py\"" not in text.replace("from its setup.py", "")
+    assert "install_requires" not in text and 'setup.py"' not in text.replace("from its setup.py", "")
     assert "make_env()" in text and "declare -f make_env" in text and "sha256sum" in text
     assert 'rm -rf "$PREFIX" "$PREFIX"_*' in text or 'rm -rf "$prefix" "$prefix"_*' in text
 

@@ -17,8 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from tests._world import free_port
-
 ROOT = Path(__file__).resolve().parents[2]
 INTERVAL = 0.5  # IGNITE_EXT_WAIT_LOG_INTERVAL of the job: rank 0 works for 8 of them
 SCRIPT = textwrap.dedent(
