@@ -176,16 +176,19 @@ class RecordLock:
             raise
         try:
             look_at = time.monotonic()
-            who, stranger_since = None, None
+            who, stranger_since, pid = None, None, None
             patience = float("inf") if patience_s is None else patience_s
             while not waiter.got.is_set():
                 now = time.monotonic()
-                if now >= look_at:
-                    # Who holds it: one F_OFD_GETLK (else F_GETLK) and /proc, on entry and once per slice of
-                    # patience_s after: O(1) requests to a lock server per waiter per slice, no loop of tries.
-                    who, stranger = _identify(waiter.fd)
+                # Who holds it: one F_OFD_GETLK (else F_GETLK) and /proc, on entry and once per slice of
+                # patience_s after: O(1) requests to a lock server per waiter per slice, no loop of tries. Before
+                # a line names a holder of this host, /proc (no server) says whether it still lives: a holder that
+                # died passed the lock on, and the line names the next one.
+                gone = now >= say_at and pid is not None and _gone(pid)
+                if now >= look_at or gone:
+                    who, stranger, pid = _identify(waiter.fd)
                     stranger_since = (stranger_since or now) if stranger else None
-                    look_at = now + patience
+                    look_at = now + patience if now >= look_at else look_at
                     if stranger_since is not None and now - stranger_since >= patience and waiter.give_up():
                         self._park(waiter)
                         raise LockWaitExpired(
@@ -324,16 +327,28 @@ def _blocker(fd: int) -> int | None:
     return None
 
 
-def _identify(fd: int) -> tuple[str | None, bool]:
-    """Who holds the lock on ``fd``'s file, as the waiters' lines name it, and whether it is another user's process."""
+def _gone(pid: int) -> bool:
+    """Whether the process ``pid`` of this host has exited (a zombie has: its locks are let go of at exit)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+    except FileNotFoundError:
+        return True
+    except (OSError, IndexError):
+        return False
+
+
+def _identify(fd: int) -> tuple[str | None, bool, int | None]:
+    """Who holds the lock on ``fd``'s file, as the waiters' lines name it, whether it is another user's process, and
+    its pid where it is a process of this host."""
     written = ""
     with contextlib.suppress(OSError):
         written = os.pread(fd, 256, 0).decode("utf-8", "replace").strip()
     pid = _blocker(fd)
     if pid is None:
-        return (written.replace(" ", " pid ", 1) if written else None), False
+        return (written.replace(" ", " pid ", 1) if written else None), False, None
     if written == f"{socket.gethostname()} {pid}":
-        return written.replace(" ", " pid ", 1), False  # a holder of this package writes its own user's file only
+        return written.replace(" ", " pid ", 1), False, pid  # a holder of this package writes its own user's file only
     uid, command = None, "?"
     with contextlib.suppress(OSError, ValueError, IndexError):
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -341,14 +356,14 @@ def _identify(fd: int) -> tuple[str | None, bool]:
         with open(f"/proc/{pid}/status", "rb") as f:
             uid = int(next(row for row in f if row.startswith(b"Uid:")).split()[2])  # the effective uid
     if uid is None:  # hidden from this user (hidepid) or just gone; /proc missing altogether says nothing
-        return f"pid {pid} on this host", os.path.isdir("/proc/self")
+        return f"pid {pid} on this host", os.path.isdir("/proc/self"), pid
     try:
         import pwd
 
         user = pwd.getpwuid(uid).pw_name
     except (ImportError, KeyError):
         user = str(uid)
-    return f"pid {pid} on this host (user {user}, {command})", uid != os.geteuid()
+    return f"pid {pid} on this host (user {user}, {command})", uid != os.geteuid(), pid
 
 
 def holder(lock_path: Path) -> str | None:

@@ -153,6 +153,54 @@ def test_a_waiting_process_says_whom_it_waits_for_and_leaves_the_outcome_to_its_
     assert all(line.startswith(("waiting for", "still waiting (")) for line in lines), lines
 
 
+# Waits for the lock, logging each line with its time; holds it for 3 s once it gets it.
+_WAITER = textwrap.dedent(
+    """
+    import logging, os, sys, time
+    from pathlib import Path
+    from ignite_ext import _locks
+    _locks.WAIT_LOG_INTERVAL_S = 0.3
+    logging.basicConfig(level=logging.INFO, format="%(created)f %(message)s", stream=sys.stdout)
+    with _locks.exclusive(Path(sys.argv[1]), "a test", logging.getLogger("waiter")):
+        print(f"{time.time()} got {os.getpid()}", flush=True)
+        time.sleep(3)
+    """
+)
+
+
+@pytest.mark.distributed
+def test_a_waiter_names_the_holder_that_took_over_not_the_one_killed(tmp_path: Path) -> None:
+    # The holder is killed while two processes wait: one takes the lock over, and the other's next lines name it,
+    # not the dead one (they named the dead holder until the next slice of patience, 120 s).
+    path = tmp_path / ".a.bin.lock"
+    first = _hold(path, 60)
+    waiters = [
+        subprocess.Popen([sys.executable, "-c", _WAITER, str(path)], stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    try:
+        time.sleep(1.5)  # both wait, and have named the first holder
+        killed_at = time.time()
+        first.kill()
+        outs = [w.communicate(timeout=60)[0] for w in waiters]
+    finally:
+        for proc in (first, *waiters):
+            proc.kill()
+            proc.wait(30)
+    got = sorted((float(line.split()[0]), int(line.split()[2])) for out in outs for line in out.splitlines()
+                 if " got " in line)  # fmt: skip
+    assert len(got) == 2, outs
+    winner = got[0][1]
+    [loser_out] = [out for out, w in zip(outs, waiters, strict=True) if w.pid != winner]
+    lines = [(float(line.split()[0]), line) for line in loser_out.splitlines() if "held by" in line]
+    assert any(f"pid {first.pid}" in line for at, line in lines if at < killed_at), lines  # named it while it held
+    # Within a line interval and a loaded machine's second after the kill, the lines name the new holder only.
+    after = [line for at, line in lines if at > killed_at + 0.3 + 1.0 and at < got[1][0]]
+    assert after, lines
+    assert not [line for line in after if f"pid {first.pid}" in line], after
+    assert all(f"pid {winner}" in line for line in after), after
+
+
 @pytest.mark.distributed
 def test_a_process_of_this_user_is_waited_for_past_the_bound(tmp_path: Path) -> None:
     path = tmp_path / ".a.bin.lock"
@@ -172,7 +220,7 @@ def test_a_wait_given_up_on_never_keeps_the_lock_and_is_adopted_by_the_next_call
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Taken for another user's (as the second-user test of test_download_neighbours.py does for real): given up.
-    monkeypatch.setattr(_locks, "_identify", lambda fd: ("pid 1 on this host (user x, y)", True))
+    monkeypatch.setattr(_locks, "_identify", lambda fd: ("pid 1 on this host (user x, y)", True, 1))
     path = tmp_path / ".a.bin.lock"
     proc = _hold(path, 60, _BARE_HOLDER)
     try:
