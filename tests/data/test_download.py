@@ -134,11 +134,18 @@ def test_all_mirrors_fail_names_each(server: TestHTTPServer, tmp_path: Path) -> 
     assert not isinstance(info.value, ChecksumError)
 
 
-def test_5xx_is_retried_then_succeeds(server: TestHTTPServer, tmp_path: Path) -> None:
+def test_5xx_is_retried_then_succeeds(server: TestHTTPServer, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     url = server.add("/a.bin", DATA)
     server.fault("/a.bin", status=500, times=2)
-    assert download_url(url, tmp_path, sha256=SHA, retries=3, progress=False).read_bytes() == DATA
+    with caplog.at_level(logging.DEBUG, logger="ignite_ext.data.download"):
+        assert download_url(url, tmp_path, sha256=SHA, retries=3, progress=False).read_bytes() == DATA
     assert [r.status for r in server.requests("/a.bin")] == [500, 500, 200]
+    # Said once, at the level a user sees by default, naming the URL, why and what follows; the rest at DEBUG.
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if "500" in r.getMessage()]
+    assert said == [
+        (logging.WARNING, f"{url}: HTTP 500 Internal Server Error; retrying it 3 more time(s), with backoff"),
+        (logging.DEBUG, f"attempt 2 of 4 failed: {url}: HTTP 500 Internal Server Error"),
+    ], said
 
 
 def recorded_sleeps(monkeypatch: pytest.MonkeyPatch) -> list[float]:

@@ -141,6 +141,7 @@ def _run_mnist(server: TestHTTPServer, tmp_path: Path, files: dict[str, bytes], 
     assert result["pixels"] == sum((i * 7) % 256 for i in range(_N_IMAGES * 28 * 28))
     for name in files:  # the second mirror served each file once
         assert [r.status for r in server.requests(f"/second/{name}")] == [200]
+    result["stderr"] = done.stderr
     return result
 
 
@@ -166,3 +167,12 @@ def test_torchvision_mnist_goes_on_to_the_next_mirror_when_the_first_fails(
     # The guide's claim: a mirror given up after retries costs at least their backoff (1 + 2 + 4 s) per file.
     backoff = sum(2.0**attempt for attempt in range(len(first_statuses) - 1))
     assert isinstance(result["elapsed"], float) and result["elapsed"] >= len(files) * backoff
+    # What is retried and why, once per file, at the level a user sees with no logging configured (stderr).
+    retried = [line for line in str(result["stderr"]).splitlines() if "retrying it" in line]
+    if len(first_statuses) > 1:
+        assert len(retried) == len(files), result["stderr"]
+        for name in files:
+            [line] = [line for line in retried if f"/first/{name}: " in line]
+            assert "HTTP 500" in line and f"retrying it {len(first_statuses) - 1} more time(s)" in line, line
+    else:
+        assert retried == [], result["stderr"]  # nothing is retried: nothing said about it

@@ -365,6 +365,16 @@ def _fetch(target: Path, urls: Sequence[str], job: Job) -> None:
             park(partial, target, urls[0])
 
 
+def _say_retry(failures: int, retries: int, exc: RetryableError) -> None:
+    """The first failed attempt of a URL at WARNING, the level a user sees by default (as torchvision prints each
+    mirror that fails), so a file that takes long says why; one line per URL and call, the next attempts at DEBUG.
+    With no retry left the URL's error says it all."""
+    if failures == 1 and retries > 0:
+        logger.warning("%s; retrying it %d more time(s), with backoff", exc, retries)
+    else:
+        logger.debug("attempt %d of %d failed: %s", failures, retries + 1, exc)
+
+
 @contextlib.contextmanager
 def _no_space_is_a_download_error(url: str, partial: Partial, target: Path) -> Iterator[None]:
     try:
@@ -394,16 +404,13 @@ def _fetch_from(url: str, partial: Partial, target: Path, job: Job) -> DownloadE
         except (DeadlinePassed, NoSpace) as exc:
             partial.discard = partial.discard or isinstance(exc, NoSpace)
             return exc
-        except RangeMismatch as exc:
-            # The server's range replies cannot continue these bytes: whole bodies only, for the rest of the call.
-            partial.restart()
-            partial.no_resume = True
-            failures, last = failures + 1, exc
-            logger.debug("attempt %d of %d failed: %s", failures, job.retries + 1, exc)
-            continue
         except RetryableError as exc:
+            if isinstance(exc, RangeMismatch):
+                # The server's range replies cannot continue these bytes: whole bodies only, for the rest of the call.
+                partial.restart()
+                partial.no_resume = True
             failures, last = failures + 1, exc
-            logger.debug("attempt %d of %d failed: %s", failures, job.retries + 1, exc)
+            _say_retry(failures, job.retries, exc)
             continue
         except FatalHTTPError as exc:
             if isinstance(exc, LengthConflict):
