@@ -339,8 +339,10 @@ def _gone(pid: int) -> bool:
 
 
 def _identify(fd: int) -> tuple[str | None, bool, int | None]:
-    """Who holds the lock on ``fd``'s file, as the waiters' lines name it, whether it is another user's process, and
-    its pid where it is a process of this host."""
+    """Who holds the lock on ``fd``'s file: as the waiters' lines name it, whether another user's, its pid here.
+
+    The pid is None where the holder is not a process of this host (another NFS client) or unknown.
+    """
     written = ""
     with contextlib.suppress(OSError):
         written = os.pread(fd, 256, 0).decode("utf-8", "replace").strip()

@@ -29,7 +29,14 @@ from ignite_ext.distributed.errors import (
 from ignite_ext.distributed.liveness import watch_for_groups as _watch_for_groups
 from ignite_ext.distributed.membership import job_store, lost_ranks
 from ignite_ext.distributed.policies import Comm, MasterFirst, Ordered, Plan, Policy, Turn, World
-from ignite_ext.distributed.schedule import at_block_end, current_block, one_rank_first, rank_scheduler
+
+# ignite's one_rank_first, which this one replaces, is typed as returning a generator context manager.
+from ignite_ext.distributed.schedule import (  # type: ignore[assignment]
+    at_block_end,
+    current_block,
+    one_rank_first,
+    rank_scheduler,
+)
 from ignite_ext.distributed.shared_path import SharedPath
 
 __all__ = [

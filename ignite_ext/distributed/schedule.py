@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -13,7 +14,9 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
+from types import TracebackType
+from typing import ParamSpec
 
 import ignite.distributed as idist
 import torch.utils.data
@@ -29,7 +32,7 @@ from ignite_ext.distributed._store_channel import StoreChannel
 from ignite_ext.distributed.agreement import agree, disagreement
 from ignite_ext.distributed.policies import MasterFirst, Ordered, Plan, Policy, Turn, World
 from ignite_ext.distributed.shared_path import SharedPath
-from ignite_ext.errors import CollectiveError, RankFailure, RankStalledError
+from ignite_ext.errors import CollectiveError, RankFailedError, RankFailure, RankStalledError
 
 __all__ = ["at_block_end", "current_block", "one_rank_first", "rank_scheduler"]
 
@@ -40,6 +43,46 @@ _WHERE_FRAMES = 3
 _BUILTIN = (MasterFirst, Ordered, SharedPath)
 # Per thread: for each scheduled block it is in (outermost first), what to call once this rank has left it.
 _ENDS = threading.local()
+_P = ParamSpec("_P")
+
+
+class _UsersBlock(AbstractContextManager[Turn]):
+    """A block as the user's ``with`` sees it: its errors come from the user's ``with`` line.
+
+    What the ranks' protocol raises on entering or leaving (another rank's failure, a wait's time-out) drops the
+    protocol's frames: a launcher shows a traceback's innermost line, and the user's code is what to look at.
+    """
+
+    def __init__(self, inner: AbstractContextManager[Turn]) -> None:
+        self._inner = inner
+
+    def __enter__(self) -> Turn:
+        try:
+            return self._inner.__enter__()
+        except (RankFailedError, TimeoutError) as error:
+            error.__traceback__ = None
+            raise error  # the block's ranks failed (its message says which, and why): raised on this rank too
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool | None:
+        try:
+            return self._inner.__exit__(exc_type, exc, tb)
+        except (RankFailedError, TimeoutError) as error:
+            if error is not exc:  # the body's own error keeps every frame
+                error.__traceback__ = None
+            raise error  # the block's ranks failed (its message says which, and why): raised on this rank too
+
+
+def _users_block(fn: Callable[_P, Iterator[Turn]]) -> Callable[_P, AbstractContextManager[Turn]]:
+    """``contextmanager``, whose errors come from the user's ``with`` line (:class:`_UsersBlock`)."""
+    managed = contextmanager(fn)
+
+    @functools.wraps(fn)
+    def block(*args: _P.args, **kwargs: _P.kwargs) -> AbstractContextManager[Turn]:
+        return _UsersBlock(managed(*args, **kwargs))
+
+    return block
 
 
 def at_block_end(callback: Callable[[], None]) -> bool:
@@ -253,7 +296,7 @@ def _run_nested(order: object, state: GroupState) -> Iterator[Turn]:
         yield order.plan(world, IdistComm()).turns[idist.get_rank()]
 
 
-@contextmanager
+@_users_block
 def rank_scheduler(
     order: Policy | None = None, *, timeout: float | None = None, stall_timeout: float | None = None
 ) -> Iterator[Turn]:
@@ -443,7 +486,7 @@ def _progress_watched(channel: Channel, stall_timeout: float | None, stall: list
             stall.append(watch.stalled)
 
 
-@contextmanager
+@_users_block
 def one_rank_first(
     rank: int = 0, local: bool = False, *, timeout: float | None = None, stall_timeout: float | None = None
 ) -> Iterator[Turn]:

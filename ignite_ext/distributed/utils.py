@@ -17,6 +17,6 @@ import ignite.distributed.utils as _ignite_utils
 from ignite.distributed.utils import *  # noqa: F403
 
 # After the star import, which brought ignite's: this name is ignite_ext's.
-from ignite_ext.distributed.schedule import one_rank_first as one_rank_first
+from ignite_ext.distributed.schedule import one_rank_first as one_rank_first  # type: ignore[assignment]
 
 __all__ = sorted({*getattr(_ignite_utils, "__all__", ()), "one_rank_first"})

@@ -79,6 +79,20 @@ def test_samples_fill_ram_then_disk_then_pass_through_uncached(tmp_path: Path) -
     assert _arenas(tmp_path) == []  # the creator deletes both tiers' files
 
 
+def test_the_disk_file_looks_as_large_as_disk_bytes_and_uses_what_it_holds(tmp_path: Path) -> None:
+    # What the guide says of `ls -l` and `du`: the apparent size is the address space every process maps (disk_bytes
+    # plus the index), the blocks used are the samples held (plus the index's pages).
+    ds = CachedDataset(CountingDataset(8, size=1024), capacity_bytes=SLOT, disk_dir=tmp_path, disk_bytes=256 << 20)
+    for i in range(8):
+        ds[i]
+    assert ds.disk_segment is not None
+    st = os.stat(ds.disk_segment)
+    assert st.st_size >= 256 << 20  # `ls -l`
+    held = ds.stats().disk_entries * SLOT
+    assert ds.stats().disk_entries == 7 and st.st_blocks * 512 <= held + (1 << 20), (st.st_blocks * 512, held)  # `du`
+    ds.close()
+
+
 def test_each_sample_goes_to_the_first_tier_with_room_for_it(tmp_path: Path) -> None:
     big, small = torch.zeros(4096), torch.zeros(16)  # 16 KiB does not fit 1 KiB of RAM; 64 bytes do
     ds = CachedDataset([big, small], capacity_bytes=1024, disk_dir=tmp_path, disk_bytes=1 << 20)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,22 @@ def body_finalize_right_after() -> str:
 
 def body_repeated(n: int) -> list[str]:
     return [observe(lambda t: None, idist.one_rank_first)["outcome"] for _ in range(n)]
+
+
+def body_where_it_is_raised(order: str) -> dict[str, Any]:
+    """The frames of the error this rank gets when rank 2 fails: the user's ``with`` line and one line of the
+    package's, whose text says what happened (a launcher shows the innermost line)."""
+    rank = idist.get_rank()
+    policy = idist.Ordered() if order == "ordered" else idist.MasterFirst(2)
+    try:
+        with idist.rank_scheduler(order=policy):  # the user's line
+            if rank == 2:
+                raise OSError("disk full on rank 2")
+    except OSError as exc:
+        frames = traceback.extract_tb(exc.__traceback__)
+    except idist.RankFailedError as exc:
+        frames = traceback.extract_tb(exc.__traceback__)
+    return {"frames": [(Path(f.filename).name, f.name, f.line) for f in frames]}
 
 
 # ------------------------------------------------------------------------------------------------- tests
@@ -165,6 +182,29 @@ def test_first_rank_failure_reaches_every_waiting_rank(world: World) -> None:
         assert "_bodies.py" in s["where"][0] and "in block" in s["where"][0], s["where"]
         assert 'raise OSError(f"disk full on rank {rank}")' in s["message"], s["message"]
     assert [s["sum"] for s in seen] == [len(seen)] * len(seen), "the world is unusable after the failure"
+
+
+@channels
+@pytest.mark.parametrize("order", ["ordered", "master"])
+def test_another_ranks_failure_is_raised_from_the_users_with_line(world: World, order: str) -> None:
+    # Raised on entering (the ranks that waited: ordered 3, master 0, 1, 3) or on leaving (ordered 0, 1, which ran
+    # before rank 2): the traceback ends in the user's `with` line and one line of the package, never in the
+    # protocol's internals (it ended in `raise RankStalledError.among(...)` for a RankFailedError).
+    if world.serial:
+        pytest.skip("needs several ranks")
+    seen = world(body_where_it_is_raised, order)
+    user = (
+        "test_schedule.py",
+        "body_where_it_is_raised",
+        "with idist.rank_scheduler(order=policy):  # the user's line",
+    )
+    for rank, s in enumerate(seen):
+        if rank == 2:  # its own error, every frame of it
+            assert s["frames"][-1][2] == 'raise OSError("disk full on rank 2")', s
+            continue
+        assert len(s["frames"]) == 2 and s["frames"][0] == user, (rank, s)
+        assert s["frames"][1][:2] == ("schedule.py", "__enter__" if order == "master" or rank == 3 else "__exit__")
+        assert s["frames"][1][2].startswith("raise error  # the block's ranks failed"), (rank, s)
 
 
 @channels

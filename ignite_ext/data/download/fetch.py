@@ -366,9 +366,11 @@ def _fetch(target: Path, urls: Sequence[str], job: Job) -> None:
 
 
 def _say_retry(failures: int, retries: int, exc: RetryableError) -> None:
-    """The first failed attempt of a URL at WARNING, the level a user sees by default (as torchvision prints each
-    mirror that fails), so a file that takes long says why; one line per URL and call, the next attempts at DEBUG.
-    With no retry left the URL's error says it all."""
+    """Say a failed attempt: the first of a URL at WARNING, the next ones at DEBUG.
+
+    WARNING is the level a user sees by default (as torchvision prints each mirror that fails), so a file that
+    takes long says why, in one line per URL and call. With no retry left the URL's error says it all.
+    """
     if failures == 1 and retries > 0:
         logger.warning("%s; retrying it %d more time(s), with backoff", exc, retries)
     else:
