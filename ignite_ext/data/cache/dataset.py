@@ -22,6 +22,7 @@ from torch.utils.data import Dataset, get_worker_info
 
 from ignite_ext.data.cache._ahead import LoadingAhead
 from ignite_ext.data.cache._world import ignite_world
+from ignite_ext.data.cache._fork_memory import share_inherited_heap
 from ignite_ext.data.cache.codec import decode, encode
 from ignite_ext.data.cache.identity import checked_name, construction_site, sample_fingerprint
 from ignite_ext.data.cache.stats import CacheStats
@@ -296,6 +297,8 @@ class CachedDataset(Dataset[Any]):
         if self._slot is None or self._slot[0] != pid:
             info = get_worker_info()
             self._slot = (pid, 0 if info is None else info.id + 1)
+            if info is not None:
+                share_inherited_heap()  # before the worker's collector touches the rank's objects
         return self._slot[1]
 
     def _position(self, index: int) -> int:
