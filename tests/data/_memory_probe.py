@@ -1,40 +1,65 @@
-"""One variant of the cache's memory budget test, in a fresh interpreter: prints the PSS of the main process and of
-each DataLoader worker, in KiB, half-way through the second (cached) epoch, as JSON.
+"""One variant of the cache's memory budget test, in a fresh interpreter, in the setup of a reported 1.34x.
 
-Run as ``python -m tests.data._memory_probe {in-memory,cached,leaky} N NUMEL``; ``leaky`` is a cache that keeps 7 KiB
-per sample read in each process, the cost the budget is there to catch.
+Samples are ``{"x": tensor, "y": i}`` read with ``numpy.load`` from one ``.npy`` file each; a DataLoader with 2 fork
+workers (persistent), batches of 16, shuffled; the workers fill the cache in the first epoch, then two cached
+epochs, and half-way through a third the PSS and the private dirty memory (anonymous and ``[heap]``) of the main
+process and of each worker are printed, in KiB, as JSON. Every worker runs one full garbage collection at its first
+batch: what a worker that allocates objects per sample reaches by itself within an epoch, here at a known moment, so
+that the measure does not depend on where each variant's collector counts stood at the fork. The in-memory
+baseline's workers call ``gc.freeze()`` first (its best: otherwise that collection copies the rank's heap into each
+of them).
+
+Run as ``python -m tests.data._memory_probe {in-memory,cached,leaky} N NUMEL DIR``; ``leaky`` is a cache that keeps
+7 KiB per sample read in each process, the cost the budget is there to catch.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
 from typing import Any
 
+import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, default_collate, get_worker_info
 
 from benchmarks._node_memory import descendants, pss
 
 
-class Source(Dataset[tuple[torch.Tensor, int]]):
-    """Sample ``i``: ``numel`` float32 values of ``i``, made at each read (nothing held)."""
+class Npy(Dataset[dict[str, Any]]):
+    """Sample ``i``: ``{"x": the float32 array in DIR/i.npy, "y": i}``, read at each access (nothing held)."""
 
-    def __init__(self, n: int, numel: int) -> None:
-        self.n, self.numel = n, numel
+    def __init__(self, root: str, n: int) -> None:
+        self.root, self.n = root, n
 
     def __len__(self) -> int:
         return self.n
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        return torch.full((self.numel,), float(i)), i
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"x": torch.from_numpy(np.load(f"{self.root}/{i}.npy")), "y": i}
 
 
-class Leaky(Dataset[tuple[torch.Tensor, int]]):
+class InMemory(Dataset[dict[str, Any]]):
+    """The baseline: one preallocated tensor of every sample, filled in place (no per-sample object left)."""
+
+    def __init__(self, source: Npy) -> None:
+        self.data = torch.empty(len(source), *source[0]["x"].shape)
+        for i in range(len(source)):
+            self.data[i] = source[i]["x"]
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"x": self.data[i], "y": i}
+
+
+class Leaky(Dataset[dict[str, Any]]):
     """A ``CachedDataset`` whose every read leaves 7 KiB behind in the reading process."""
 
-    def __init__(self, source: Source) -> None:
+    def __init__(self, source: Npy) -> None:
         from ignite_ext.data import CachedDataset
 
         self.cache, self.kept = CachedDataset(source), [bytearray()]
@@ -42,37 +67,78 @@ class Leaky(Dataset[tuple[torch.Tensor, int]]):
     def __len__(self) -> int:
         return len(self.cache)
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+    def __getitem__(self, i: int) -> dict[str, Any]:
         self.kept.append(bytearray(7 << 10))
-        sample: tuple[torch.Tensor, int] = self.cache[i]
+        sample: dict[str, Any] = self.cache[i]
         return sample
 
 
-def main(kind: str, n: int, numel: int) -> None:
-    source = Source(n, numel)
+_collected: set[int] = set()
+
+
+def _collate(batch: list[dict[str, Any]]) -> Any:
+    if get_worker_info() is not None and os.getpid() not in _collected:  # once per worker process
+        _collected.add(os.getpid())
+        gc.collect()
+    return default_collate(batch)
+
+
+def _freeze(worker_id: int) -> None:
+    """The in-memory baseline at its best: its workers keep the rank's heap shared (CPython's advice for forks)."""
+    gc.freeze()
+
+
+def _private_dirty_kib(pid: int) -> int:
+    """Private_Dirty of the process's anonymous mappings and heap: what it wrote that nobody shares."""
+    total, name = 0, ""
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            parts = line.split()
+            if parts and not parts[0].endswith(":"):
+                name = parts[5] if len(parts) > 5 else "[anon]"
+            elif parts[0] == "Private_Dirty:" and name in ("[anon]", "[heap]"):
+                total += int(parts[1])
+    return total
+
+
+def main(kind: str, n: int, numel: int, root: str) -> None:
+    if not os.path.exists(f"{root}/{n - 1}.npy"):
+        rng = np.random.default_rng(0)
+        for i in range(n):
+            np.save(f"{root}/{i}.npy", rng.random(numel, dtype=np.float32))
+    source = Npy(root, n)
     dataset: Dataset[Any]
     if kind == "in-memory":
-        data = torch.empty(n, numel)  # filled in place: no per-sample objects left on the heap
-        for i in range(n):
-            data[i] = source[i][0]
-        dataset = TensorDataset(data, torch.arange(n))
+        dataset = InMemory(source)
     else:
         from ignite_ext.data import CachedDataset
 
-        dataset = CachedDataset(source) if kind == "cached" else Leaky(source)
+        capacity = n * (numel * 4 + 4096)
+        dataset = CachedDataset(source, scope="rank", capacity_bytes=capacity) if kind == "cached" else Leaky(source)
     loader = DataLoader(
-        dataset, batch_size=16, shuffle=True, num_workers=2, persistent_workers=True, multiprocessing_context="fork"
+        dataset,
+        batch_size=16,
+        shuffle=True,
+        num_workers=2,
+        persistent_workers=True,
+        multiprocessing_context="fork",
+        collate_fn=_collate,
+        worker_init_fn=_freeze if kind == "in-memory" else None,
     )
     batches, seen, found = len(loader), 0, {}
-    for epoch in range(2):
-        for b, (_, y) in enumerate(loader):
-            seen += len(y)
-            if epoch == 1 and b == batches // 2:
-                workers = descendants(os.getpid())
-                found = {"main": pss(os.getpid()) >> 10, "workers": [pss(w) >> 10 for w in workers]}
-    assert seen == 2 * n, seen
+    for epoch in range(4):
+        for b, batch in enumerate(loader):
+            seen += len(batch["y"])
+            if epoch == 3 and b == batches // 2:
+                pids = [os.getpid(), *descendants(os.getpid())]
+                found = {
+                    "main": pss(pids[0]) >> 10,
+                    "workers": [pss(w) >> 10 for w in pids[1:]],
+                    "private_dirty": [_private_dirty_kib(p) for p in pids],
+                }
+    assert seen == 4 * n, seen
     print(json.dumps(found), flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])

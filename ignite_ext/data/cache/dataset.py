@@ -21,8 +21,8 @@ from typing import Any, Literal, Protocol
 from torch.utils.data import Dataset, get_worker_info
 
 from ignite_ext.data.cache._ahead import LoadingAhead
-from ignite_ext.data.cache._world import ignite_world
 from ignite_ext.data.cache._fork_memory import share_inherited_heap
+from ignite_ext.data.cache._world import ignite_world
 from ignite_ext.data.cache.codec import decode, encode
 from ignite_ext.data.cache.identity import checked_name, construction_site, sample_fingerprint
 from ignite_ext.data.cache.stats import CacheStats
