@@ -42,6 +42,26 @@ def pss(pid: int) -> int:
     return 0
 
 
+def private_dirty(pid: int) -> int:
+    """Bytes of the process's anonymous mappings and heap that it alone holds, written (``Private_Dirty``).
+
+    What a process costs beyond what it shares: a page it inherited at a fork and then wrote, or memory it
+    allocated itself. 0 when the process is gone.
+    """
+    total, name = 0, ""
+    try:
+        with open(f"/proc/{pid}/smaps") as f:
+            for line in f:
+                parts = line.split()
+                if parts and not parts[0].endswith(":"):
+                    name = parts[5] if len(parts) > 5 else "[anon]"
+                elif parts and parts[0] == "Private_Dirty:" and name in ("[anon]", "[heap]"):
+                    total += int(parts[1]) * 1024
+    except (FileNotFoundError, ProcessLookupError):
+        return 0
+    return total
+
+
 def descendants(pid: int) -> list[int]:
     """``pid``'s live descendants (its DataLoader workers, their children), from ``/proc``."""
     children: dict[int, list[int]] = {}

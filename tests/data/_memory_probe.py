@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate, get_worker_info
 
-from benchmarks._node_memory import descendants, pss
+from benchmarks._node_memory import descendants, private_dirty, pss
 
 
 class Npy(Dataset[dict[str, Any]]):
@@ -88,19 +88,6 @@ def _freeze(worker_id: int) -> None:
     gc.freeze()
 
 
-def _private_dirty_kib(pid: int) -> int:
-    """Private_Dirty of the process's anonymous mappings and heap: what it wrote that nobody shares."""
-    total, name = 0, ""
-    with open(f"/proc/{pid}/smaps") as f:
-        for line in f:
-            parts = line.split()
-            if parts and not parts[0].endswith(":"):
-                name = parts[5] if len(parts) > 5 else "[anon]"
-            elif parts[0] == "Private_Dirty:" and name in ("[anon]", "[heap]"):
-                total += int(parts[1])
-    return total
-
-
 def main(kind: str, n: int, numel: int, root: str) -> None:
     if not os.path.exists(f"{root}/{n - 1}.npy"):
         rng = np.random.default_rng(0)
@@ -134,7 +121,7 @@ def main(kind: str, n: int, numel: int, root: str) -> None:
                 found = {
                     "main": pss(pids[0]) >> 10,
                     "workers": [pss(w) >> 10 for w in pids[1:]],
-                    "private_dirty": [_private_dirty_kib(p) for p in pids],
+                    "private_dirty": [private_dirty(p) >> 10 for p in pids],
                 }
     assert seen == 4 * n, seen
     print(json.dumps(found), flush=True)
