@@ -42,24 +42,42 @@ def pss(pid: int) -> int:
     return 0
 
 
-def private_dirty(pid: int) -> int:
-    """Bytes of the process's anonymous mappings and heap that it alone holds, written (``Private_Dirty``).
+def _own_mapping(name: str) -> bool:
+    """Whether a mapping holds a process's data (anonymous, heap, stack, shared memory), not a library's pages."""
+    return name in ("[anon]", "[heap]", "[stack]") or name.startswith("/dev/shm/")
 
-    What a process costs beyond what it shares: a page it inherited at a fork and then wrote, or memory it
-    allocated itself. 0 when the process is gone.
+
+def data_memory(pid: int) -> dict[str, int]:
+    """Bytes of the process's data mappings (anonymous, heap, stack, ``/dev/shm``): ``pss`` and ``private_dirty``.
+
+    ``private_dirty`` is what of the anonymous memory and heap the process alone wrote. Libraries' pages are left
+    out: their PSS depends on how many other processes of the machine map the same files. Zeros when the process
+    is gone.
     """
-    total, name = 0, ""
+    out = {"pss": 0, "private_dirty": 0}
+    name = ""
     try:
         with open(f"/proc/{pid}/smaps") as f:
             for line in f:
                 parts = line.split()
                 if parts and not parts[0].endswith(":"):
                     name = parts[5] if len(parts) > 5 else "[anon]"
+                elif parts and parts[0] == "Pss:" and _own_mapping(name):
+                    out["pss"] += int(parts[1]) * 1024
                 elif parts and parts[0] == "Private_Dirty:" and name in ("[anon]", "[heap]"):
-                    total += int(parts[1]) * 1024
+                    out["private_dirty"] += int(parts[1]) * 1024
     except (FileNotFoundError, ProcessLookupError):
-        return 0
-    return total
+        pass
+    return out
+
+
+def private_dirty(pid: int) -> int:
+    """Bytes of the process's anonymous mappings and heap that it alone holds, written (``Private_Dirty``).
+
+    What a process costs beyond what it shares: a page it inherited at a fork and then wrote, or memory it
+    allocated itself. 0 when the process is gone.
+    """
+    return data_memory(pid)["private_dirty"]
 
 
 def descendants(pid: int) -> list[int]:

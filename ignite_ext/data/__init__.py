@@ -21,6 +21,7 @@ if TYPE_CHECKING:
         NetworkFilesystemWarning,
     )
     from ignite_ext.data.download import download_for_job, download_url, extract_archive
+    from ignite_ext.data.fork_safety import ForkDeadlockWarning
     from ignite_ext.data.sampler import SamplerHandler, ShardedDistributedSampler
     from ignite_ext.errors import ArchiveError, ChecksumError, DownloadError, ShmSpaceError
 
@@ -31,6 +32,7 @@ __all__ = [
     "CachedDataset",
     "ChecksumError",
     "DownloadError",
+    "ForkDeadlockWarning",
     "FrozenTransformWarning",
     "NetworkFilesystemWarning",
     "SamplerHandler",
@@ -57,6 +59,7 @@ _HOMES = {
     "CachedDataset": "ignite_ext.data.cache",
     "FrozenTransformWarning": "ignite_ext.data.cache",
     "NetworkFilesystemWarning": "ignite_ext.data.cache",
+    "ForkDeadlockWarning": "ignite_ext.data.fork_safety",
 }
 
 

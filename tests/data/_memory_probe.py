@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate, get_worker_info
 
-from benchmarks._node_memory import descendants, private_dirty, pss
+from benchmarks._node_memory import data_memory, descendants, pss
 
 
 class Npy(Dataset[dict[str, Any]]):
@@ -118,10 +118,12 @@ def main(kind: str, n: int, numel: int, root: str) -> None:
             seen += len(batch["y"])
             if epoch == 3 and b == batches // 2:
                 pids = [os.getpid(), *descendants(os.getpid())]
+                data = [data_memory(p) for p in pids]
                 found = {
                     "main": pss(pids[0]) >> 10,
                     "workers": [pss(w) >> 10 for w in pids[1:]],
-                    "private_dirty": [private_dirty(p) >> 10 for p in pids],
+                    "data": [d["pss"] >> 10 for d in data],
+                    "private_dirty": [d["private_dirty"] >> 10 for d in data],
                 }
     assert seen == 4 * n, seen
     print(json.dumps(found), flush=True)

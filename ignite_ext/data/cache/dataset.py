@@ -28,6 +28,7 @@ from ignite_ext.data.cache.identity import checked_name, construction_site, samp
 from ignite_ext.data.cache.stats import CacheStats
 from ignite_ext.data.cache.tiers import checker, create_tiers, disk_option, node_tiers
 from ignite_ext.data.cache.transforms import FrozenTransformWarning, warn_if_frozen
+from ignite_ext.data.fork_safety import warn_if_forks_can_hang
 
 # ignite and ignite_ext.distributed are imported only where a rank's main process needs them (construction and
 # stats in a distributed job): a process alone, and a DataLoader worker that unpickles the dataset (spawn), load
@@ -203,6 +204,7 @@ class CachedDataset(Dataset[Any]):
         idist = ignite_world()  # None: alone, and ignite is not imported for nothing (see ._world)
         if idist is None or idist.get_rank() == 0:
             warn_if_frozen(dataset, stacklevel=2)
+        warn_if_forks_can_hang("CachedDataset made")
         if persist is True and capacity_bytes is not None:
             raise ValueError(
                 "persist=True keeps every sample in the persisted disk tier (read through the page cache), none in "
@@ -431,6 +433,7 @@ class CachedDataset(Dataset[Any]):
         if evicted:
             self._tiers.ram.count(self._row, self._count_slot(), evictions=evicted, evicted_bytes=evicted_bytes)
         if following and upcoming and self._row == 0:
+            warn_if_forks_can_hang("The cache's load-ahead process forked")
             self._loading = LoadingAhead(self._load_ahead, upcoming)
         return following
 

@@ -20,6 +20,7 @@ from typing import Any, Literal, cast
 from torch.utils.data import Dataset, DistributedSampler
 
 import ignite_ext.distributed as idist
+from ignite_ext.data.fork_safety import warn_if_forks_can_hang
 from ignite_ext.data.sampler.indices import check_int, samples_per_replica
 from ignite_ext.data.sampler.layout import resolve_placement
 from ignite_ext.data.sampler.mixing import check_mix, epoch_pool, mixed_shards
@@ -165,6 +166,7 @@ class ShardedDistributedSampler(DistributedSampler[int]):
         mix = check_mix(mix)
         if not isinstance(load_ahead, bool):
             raise TypeError(f"load_ahead must be True or False, got {load_ahead!r}")
+        warn_if_forks_can_hang("ShardedDistributedSampler made")
         # Explicit values: torch's constructor would otherwise ask torch.distributed, which is not initialised
         # under Horovod, XLA or in serial mode.
         super().__init__(
