@@ -17,7 +17,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 __all__ = ["PeakPss", "descendants", "group_memory", "pss", "resident_bytes"]
 
@@ -47,6 +47,25 @@ def _own_mapping(name: str) -> bool:
     return name in ("[anon]", "[heap]", "[stack]") or name.startswith("/dev/shm/")
 
 
+def smaps(pid: int) -> Iterator[tuple[str, str, int]]:
+    """``(mapping, field, bytes)`` for each size field of each mapping of the process (``/proc/PID/smaps``).
+
+    ``mapping`` is the mapped file's path, a name in brackets (``[heap]``, ``[stack]``) or ``[anon]``. Nothing when
+    the process is gone.
+    """
+    name = "[anon]"
+    try:
+        with open(f"/proc/{pid}/smaps") as f:
+            for line in f:
+                parts = line.split()
+                if parts and not parts[0].endswith(":"):
+                    name = parts[5] if len(parts) > 5 else "[anon]"
+                elif len(parts) == 3 and parts[2] == "kB":
+                    yield name, parts[0][:-1], int(parts[1]) * 1024
+    except (FileNotFoundError, ProcessLookupError):
+        return
+
+
 def data_memory(pid: int) -> dict[str, int]:
     """Bytes of the process's data mappings (anonymous, heap, stack, ``/dev/shm``): ``pss`` and ``private_dirty``.
 
@@ -55,19 +74,11 @@ def data_memory(pid: int) -> dict[str, int]:
     is gone.
     """
     out = {"pss": 0, "private_dirty": 0}
-    name = ""
-    try:
-        with open(f"/proc/{pid}/smaps") as f:
-            for line in f:
-                parts = line.split()
-                if parts and not parts[0].endswith(":"):
-                    name = parts[5] if len(parts) > 5 else "[anon]"
-                elif parts and parts[0] == "Pss:" and _own_mapping(name):
-                    out["pss"] += int(parts[1]) * 1024
-                elif parts and parts[0] == "Private_Dirty:" and name in ("[anon]", "[heap]"):
-                    out["private_dirty"] += int(parts[1]) * 1024
-    except (FileNotFoundError, ProcessLookupError):
-        pass
+    for name, field, size in smaps(pid):
+        if field == "Pss" and _own_mapping(name):
+            out["pss"] += size
+        elif field == "Private_Dirty" and name in ("[anon]", "[heap]"):
+            out["private_dirty"] += size
     return out
 
 

@@ -34,18 +34,13 @@ _MiB = 1 << 20
 
 def _mappings(pid: int) -> dict[str, int]:
     """Bytes of PSS per mapping name (anonymous mappings as ``[anon]``)."""
+    from benchmarks._node_memory import smaps
+
     found: dict[str, int] = {}
-    name = "[anon]"
-    try:
-        with open(f"/proc/{pid}/smaps") as f:
-            for line in f:
-                parts = line.split()
-                if parts and not parts[0].endswith(":"):
-                    name = Path(parts[5]).name if len(parts) > 5 else "[anon]"
-                elif parts and parts[0] == "Pss:":
-                    found[name] = found.get(name, 0) + int(parts[1]) * 1024
-    except FileNotFoundError:
-        pass
+    for name, field, size in smaps(pid):
+        if field == "Pss":
+            key = Path(name).name if name.startswith("/") else name
+            found[key] = found.get(key, 0) + size
     return found
 
 
