@@ -92,7 +92,7 @@ def warn_if_forks_can_hang(what: str) -> bool:
         return False
     _warned.set()
     version = ".".join(map(str, sys.version_info[:3]))
-    fixed = ".".join(map(str, FIXED_IN[sys.version_info[:2]]))
+    fixed = ".".join(map(str, FIXED_IN.get(sys.version_info[:2], FIXED_IN[3, 11])))
     warnings.warn(
         f"{what} on Python {version} with a process group up: a process forked from this rank (a DataLoader "
         f"worker) can hang before it starts, in CPython's fork deadlock (gh-112275), and the rank then waits for it "
