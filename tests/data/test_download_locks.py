@@ -339,16 +339,21 @@ def test_cli_prologues_say_whom_they_wait_for_unless_quiet(server: TestHTTPServe
     assert quiet == "" and "Traceback" not in loud
 
 
-def test_cli_prints_failed_attempts_only_with_verbose(server: TestHTTPServer, tmp_path: Path) -> None:
+def test_cli_says_a_urls_first_failed_attempt_and_the_next_ones_only_with_verbose(
+    server: TestHTTPServer, tmp_path: Path
+) -> None:
     url = server.add("/a.bin", DATA)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), BACKOFF_ENV: "0.01"}
     errs = {}
-    for flags in ([], ["--verbose"]):
-        server.fault("/a.bin", status=503, times=1)
+    for flags in ([], ["--verbose"], ["--quiet"]):
+        server.fault("/a.bin", status=503, times=2)
         root = tmp_path / (flags[0].strip("-") if flags else "default")
         cmd = [sys.executable, "-m", "ignite_ext", "download", url, "--root", str(root), "--sha256", SHA, *flags]
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
         assert done.returncode == 0 and done.stdout.strip() == str(root / "a.bin"), done
         errs[tuple(flags)] = done.stderr
-    assert "attempt 1 of 4 failed" not in errs[()] and "HTTP 503" not in errs[()], errs[()]
-    assert "attempt 1 of 4 failed" in errs[("--verbose",)] and "HTTP 503" in errs[("--verbose",)], errs
+    first = f"{url}: HTTP 503 Service Unavailable; retrying it 3 more time(s), with backoff"
+    for flags in ((), ("--quiet",), ("--verbose",)):  # a warning: shown with --quiet too
+        assert errs[flags].count(first) == 1, (flags, errs[flags])
+    assert "attempt 2 of 4 failed" not in errs[()] and "attempt 2 of 4 failed" not in errs[("--quiet",)], errs
+    assert "attempt 2 of 4 failed" in errs[("--verbose",)] and "HTTP 503" in errs[("--verbose",)], errs

@@ -4,13 +4,15 @@ Building the parser imports little (``--help`` answers at once); the download ma
 runs. Made for job prologues: the path on stdout, one ``error:`` line on stderr and a documented exit status on
 failure (never a traceback); while waiting for another process's fetch, a line on stderr every few seconds naming
 the lock holder's host and pid, and one when the wait is over: the file was fetched by another process, or it
-was not and this process fetches it (``--quiet`` silences them, ``--verbose`` adds every failed attempt); progress
-bars only on a terminal.
+was not and this process fetches it (``--quiet`` silences them); a URL's first failed attempt, with why and the
+retries to come, as a warning (``--verbose`` adds the next ones); progress bars only on a terminal.
 
 .. versionadded:: 0.1.0
 .. versionchanged:: 0.4.0
    A waiter says what it found ("fetched by another process"), not "took over"; failed attempts only with
    ``--verbose``.
+.. versionchanged:: 0.5.0
+   A URL's first failed attempt is a warning (shown by default and with ``--quiet``); ``--verbose`` adds the next.
 """
 
 from __future__ import annotations
@@ -161,7 +163,8 @@ def cli(args: argparse.Namespace) -> int:
     return 0
 
 
-# What a job prologue's log shows: whom a process waits for, what it found after, attempts that failed (-v).
+# What a job prologue's log shows: whom a process waits for, what it found after, a URL's first failed attempt (a
+# warning), the next ones (-v).
 _LOGGERS = ("ignite_ext.data.download", "ignite_ext.data.extract")
 
 
