@@ -94,8 +94,12 @@ _FORKS = textwrap.dedent(
 
 def _interpreters() -> list[tuple[str, tuple[int, int, int], str]]:
     """CPython interpreters on this machine with their headers: (path, version, include directory)."""
-    candidates = [sys.executable, *sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.*/bin/python3")))]
-    candidates += [p for p in (shutil.which(f"python3.{minor}") for minor in range(9, 15)) if p]
+    shims = [p for p in (shutil.which(f"python3.{minor}") for minor in range(9, 15)) if p]
+    # pyenv's versions, wherever its root is (its shims on PATH name it; HOME may be another user's or empty)
+    roots = {os.environ.get("PYENV_ROOT", ""), os.path.expanduser("~/.pyenv")}
+    roots |= {str(Path(p).parent.parent) for p in shims if Path(p).parent.name == "shims"}
+    candidates = [sys.executable, *sorted(p for r in roots if r for p in glob.glob(f"{r}/versions/3.*/bin/python3"))]
+    candidates += shims
     found, seen = [], set()
     for path in candidates:
         probe = subprocess.run(

@@ -7,7 +7,7 @@ own (``ignite_ext.distributed.store.keys.ROOT``). Plain ignite runs the same scr
 
 torch's own re-forming of a restarted gloo group can fail on this machine (a peer address of the failed attempt
 still in the agent's store: about half the restarts, with the package or without): a try whose group did not
-re-form is tried again, up to four times, and the test is skipped with the tries' reasons if none re-formed. Every
+re-form is tried again, up to three times, and the test is skipped with the tries' reasons if none re-formed. Every
 try whose group re-formed must run its block and finish.
 """
 
@@ -32,7 +32,7 @@ SCRIPT = textwrap.dedent(
     from datetime import timedelta
     idist = importlib.import_module(sys.argv[1])
     attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-    idist.initialize("gloo", timeout=timedelta(seconds=20))  # a group that does not re-form fails in 20 s
+    idist.initialize("gloo", timeout=timedelta(seconds=10))  # a group that does not re-form fails in 10 s
     rank = idist.get_rank()
     print(f"attempt {attempt} rank {rank}: group formed", flush=True)
     start = time.monotonic()
@@ -49,7 +49,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _torchrun(tmp_path: Path, module: str, tries: int = 4) -> tuple[str, list[str]]:
+def _torchrun(tmp_path: Path, module: str, tries: int = 3) -> tuple[str, list[str]]:
     """The log of the first try whose restarted group formed (or the last), and why the others were tried again."""
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
