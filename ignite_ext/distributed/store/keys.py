@@ -65,6 +65,7 @@ from __future__ import annotations
 import os
 
 __all__ = [
+    "ATTEMPT",
     "CUTS_KEY",
     "NAMESPACE_KEY",
     "PHASES",
@@ -98,8 +99,11 @@ def _root(restart_count: str | None) -> str:
     return "ignite_ext" if count in ("", "0") else f"ignite_ext@{count}"
 
 
+#: The restart count :data:`ROOT` was spelled from, read once at import: a process this one starts that spells keys
+#: (the keeper) is given this value, whatever the environment says by then.
+ATTEMPT = (os.environ.get("TORCHELASTIC_RESTART_COUNT") or "0").strip()
 #: The root of every key of the package (per attempt under torchrun: see :func:`_root`).
-ROOT = _root(os.environ.get("TORCHELASTIC_RESTART_COUNT"))
+ROOT = _root(ATTEMPT)
 
 #: How many cuts (ranks declared dead together) the group has: see :mod:`ignite_ext.distributed.liveness`.
 CUTS_KEY = f"{ROOT}/cuts"
