@@ -38,6 +38,7 @@ from ignite_ext.distributed.schedule import (  # type: ignore[assignment]
     rank_scheduler,
 )
 from ignite_ext.distributed.shared_path import SharedPath
+from ignite_ext.distributed.store import incarnation as _incarnation
 
 __all__ = [
     "CollectiveError",
@@ -68,6 +69,9 @@ __all__ += sorted(n for n in dir(_ignite_distributed) if not n.startswith("_") a
 # The submodule paths of ignite.distributed resolve here too: ignite's very modules, but for ``utils``, which is a
 # module of this package (ignite's names with the failure-safe one_rank_first).
 _aliases.install()
+# Under torchrun's agent store, each incarnation of a group forms on a store of its own (no attempt reads the
+# peer addresses or block keys of the attempt before): torch's env:// rendezvous, wrapped before any group forms.
+_incarnation.install()
 # A rank beats from the moment its process group exists, so that dying before its first block is noticed.
 _watch_for_groups()
 # ``from ignite.distributed import *`` bound ignite's utils here: a plain ``from . import utils`` would return it.

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 from ignite_ext.distributed.liveness import keeper
 from ignite_ext.distributed.store.clients import Store, endpoint, innermost, put_once, read
-from ignite_ext.distributed.store.keys import ATTEMPT, CUTS_KEY, PREFIX_KEY, cut_key, probe_key, proof_key
+from ignite_ext.distributed.store.keys import CUTS_KEY, PREFIX_KEY, cut_key, probe_key, proof_key
 from ignite_ext.distributed.store.wire import WireStore, connect_proven, flavour_for
 
 __all__ = ["NOT_YET", "Address", "CutListener", "KeeperHandle", "proven_wire", "wire_address"]
@@ -165,7 +165,6 @@ class KeeperHandle:
             # -I -S: the standard library only, nothing of the rank's environment (and no torch to import)
             self._process = subprocess.Popen(
                 [sys.executable, "-I", "-S", keeper.__file__, *args],
-                env={**os.environ, "TORCHELASTIC_RESTART_COUNT": ATTEMPT},  # the keys of this process's attempt
                 pass_fds=(beats,),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,

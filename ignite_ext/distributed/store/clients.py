@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch.distributed
 
+from ignite_ext.distributed.store.incarnation import is_scoped, scoped
 from ignite_ext.distributed.store.keys import NAMESPACE_KEY, ROOT
 
 if TYPE_CHECKING:  # torch declares them in the stub of its extension, and exports them from torch.distributed
@@ -52,7 +53,9 @@ def group_store() -> Store | None:
 
     torch has no public way to reach it: this is the one place that uses the private
     ``torch.distributed.distributed_c10d._get_default_store``, and a test fails if torch renames or changes it.
-    The package's own traffic goes through :func:`default_store`, which is made from it.
+    The package's own traffic goes through :func:`default_store`, which is made from it. Under torchrun's agent
+    store, a group formed before the package's ``env://`` rendezvous was installed gets its incarnation's prefix
+    here (:mod:`~ignite_ext.distributed.store.incarnation`), so the package never reads an earlier attempt's keys.
 
     Examples:
         >>> from ignite_ext.distributed.store.clients import group_store
@@ -66,9 +69,15 @@ def group_store() -> Store | None:
     if not distributed_c10d.is_initialized():
         return None
     try:
-        return distributed_c10d._get_default_store()
+        store = distributed_c10d._get_default_store()
     except (AttributeError, ValueError, RuntimeError):
         return None
+    with _GUARD:
+        if store not in _INCARNATIONS:
+            ours = store if is_scoped(store) else scoped(store)
+            _INCARNATIONS[store] = None if ours is store else ours  # never the store itself (it would live on)
+        known = _INCARNATIONS[store]
+        return store if known is None else known
 
 
 def default_store() -> Store | None:
@@ -109,6 +118,8 @@ class Endpoint:
 _ENDPOINTS: weakref.WeakKeyDictionary[Store, Endpoint] = weakref.WeakKeyDictionary()
 _NAMESPACED: weakref.WeakKeyDictionary[Store, Store] = weakref.WeakKeyDictionary()
 _GUARD = threading.Lock()
+#: The store of its incarnation for a group's store formed without it (None: the group's store is that store).
+_INCARNATIONS: weakref.WeakKeyDictionary[Store, Store | None] = weakref.WeakKeyDictionary()
 
 
 def innermost(store: Any) -> Any:

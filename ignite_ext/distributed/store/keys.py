@@ -1,8 +1,8 @@
 """Every key the package writes in a process group's store, with its lifetime: the one module that spells them.
 
-Standard library only: the keeper loads it by its path. Every key lives under ``ignite_ext/`` (``ignite_ext@<n>/`` in
-torchrun's restart ``n``: no attempt reads another's keys, see :data:`ROOT`; below the package's namespace prefix
-where torch has no ``Store.clone``, see :mod:`ignite_ext.distributed.store.clients`); values are ASCII text (JSON,
+Standard library only: the keeper loads it by its path. Every key lives under ``ignite_ext/`` (below the package's
+namespace prefix where torch has no ``Store.clone``, see :mod:`ignite_ext.distributed.store.clients`; under torchrun's
+agent store, in a store of the group's incarnation, see :func:`incarnation_prefix`); values are ASCII text (JSON,
 decimal counters, or the codecs of :mod:`~ignite_ext.distributed.store.codecs`).
 
 .. code-block:: text
@@ -62,10 +62,7 @@ every rank entered it, which proves every rank left block ``seq``. So at most tw
 
 from __future__ import annotations
 
-import os
-
 __all__ = [
-    "ATTEMPT",
     "CUTS_KEY",
     "NAMESPACE_KEY",
     "PHASES",
@@ -74,6 +71,7 @@ __all__ = [
     "BlockKeys",
     "cut_key",
     "heartbeat_key",
+    "incarnation_prefix",
     "probe_key",
     "proc_key",
     "proof_key",
@@ -81,29 +79,24 @@ __all__ = [
 ]
 
 
-def _root(restart_count: str | None) -> str:
-    """The root of the package's keys in an attempt of a job: ``ignite_ext``, or ``ignite_ext@<n>`` in restart n.
+#: The root of every key of the package.
+ROOT = "ignite_ext"
 
-    torchrun's agent keeps one store for every attempt of a job (``TORCHELASTIC_USE_AGENT_STORE``), and torch puts
-    a restarted group's keys under the same prefix as the failed attempt's: keys of the attempt before would be
-    read as this one's (a block's entries, outcomes and exit counts, heartbeats, cuts), and its first block would
-    wait for ever. Each attempt's workers get their restart count from the agent (``TORCHELASTIC_RESTART_COUNT``),
-    so every rank and keeper of an attempt spells the same root, and none reads another attempt's keys.
+
+def incarnation_prefix(name: str) -> str:
+    """The prefix under which one incarnation of a torchrun group keeps its keys, torch's and the package's.
+
+    torchrun's agent keeps one store for every attempt of a job, and torch gives a restarted group no prefix of
+    its own: :mod:`ignite_ext.distributed.store.incarnation` puts each incarnation's store under this one, so no
+    attempt reads another's keys (gloo's peer addresses, a block's entries).
 
     Examples:
-        >>> from ignite_ext.distributed.store.keys import _root
-        >>> _root(None), _root("0"), _root("2")
-        ('ignite_ext', 'ignite_ext', 'ignite_ext@2')
+        >>> from ignite_ext.distributed.store.keys import incarnation_prefix
+        >>> incarnation_prefix("round-2")
+        'ignite_ext/incarnation/round-2'
     """
-    count = (restart_count or "0").strip()
-    return "ignite_ext" if count in ("", "0") else f"ignite_ext@{count}"
+    return f"{ROOT}/incarnation/{name}"
 
-
-#: The restart count :data:`ROOT` was spelled from, read once at import: a process this one starts that spells keys
-#: (the keeper) is given this value, whatever the environment says by then.
-ATTEMPT = (os.environ.get("TORCHELASTIC_RESTART_COUNT") or "0").strip()
-#: The root of every key of the package (per attempt under torchrun: see :func:`_root`).
-ROOT = _root(ATTEMPT)
 
 #: How many cuts (ranks declared dead together) the group has: see :mod:`ignite_ext.distributed.liveness`.
 CUTS_KEY = f"{ROOT}/cuts"

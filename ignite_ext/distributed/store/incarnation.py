@@ -1,0 +1,186 @@
+"""Which incarnation of a torchrun group a process belongs to, and a store of that incarnation's own.
+
+torchrun's agent keeps one store for every attempt of a job (``TORCHELASTIC_USE_AGENT_STORE``): a restarted
+group's workers are new clients of the same server, and torch gives them no per-attempt prefix. Every key of the
+attempt before is still there when the next one starts: gloo's peer addresses (a restarted rank reads a dead
+peer's address and its ``connectFullMesh`` is refused: 5 restarts in 12 with one agent, 8 in 10 with two, plain
+torch 2.13 on a 2-core machine) and the package's own keys (a block's entries and exit counts). So the package
+puts the store of every incarnation under a prefix of its own, before torch forms the group on it:
+
+* :func:`install` wraps torch's ``env://`` rendezvous (what ``idist.initialize``, ``idist.Parallel`` and a plain
+  ``init_process_group`` under torchrun use), so that gloo's keys and the package's are never read across
+  attempts;
+* :func:`scoped` is what it applies, and what :func:`~ignite_ext.distributed.store.clients.group_store` applies to a
+  group formed before the package was imported (gloo's keys are then torch's business; the package's own are
+  still per incarnation).
+
+An incarnation is named by the round of torch's c10d rendezvous, the one number every agent of a multi-node job
+agrees on: an agent whose workers were healthy restarts them without counting a restart, so
+``TORCHELASTIC_RESTART_COUNT`` differs across nodes. The workers' store (``MASTER_PORT``) is another server than
+the rendezvous', so a rank reads the round where its agent does: the agent's ``--rdzv-endpoint`` (its command
+line, read by torch's own parser), one connection and one ``get`` per rank and incarnation. With one agent
+(``--standalone``, a single node) its restart count names the incarnation; with several agents and no c10d
+rendezvous (etcd, static), nothing does, and the store is left as torch made it (the backends page says so).
+
+Nothing connects at import.
+
+.. versionadded:: 0.5.0
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib
+import os
+import pickle
+import weakref
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from ignite_ext.distributed.store.keys import incarnation_prefix
+
+#: How torchrun appears in its agent's command line (``torchrun`` or ``python -m torch.distributed.run``).
+RUNNERS = ("torchrun", "torch.distributed.run")
+RUNNER_PATHS = ("/torchrun", "/torch/distributed/run.py")
+
+if TYPE_CHECKING:  # torch declares them in the stub of its extension, and exports them from torch.distributed
+    from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
+else:
+    from torch.distributed import PrefixStore, Store, TCPStore
+
+__all__ = ["RUNNERS", "RUNNER_PATHS", "incarnation", "install", "is_scoped", "scoped"]
+
+_SCOPED: weakref.WeakSet[Store] = weakref.WeakSet()
+
+
+def _rendezvous_endpoint() -> tuple[str, int] | None:
+    """Where torchrun's c10d rendezvous of this worker's agent is served, from the agent's own arguments.
+
+    A worker is its agent's child; torchrun gives it no other way to the rendezvous store (the store it gives, at
+    ``MASTER_PORT``, is another server). torch's own parser reads the arguments (and the ``PET_`` variables the
+    worker inherited). ``--standalone`` chooses its port at run time: None (one agent: its restart count names it).
+    """
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            argv = [a.decode() for a in f.read().split(b"\0")[:-1]]
+        at = next(i for i, a in enumerate(argv) if a in RUNNERS or a.endswith(RUNNER_PATHS))
+        parser = importlib.import_module("torch.distributed.run").get_args_parser()
+        args, _ = parser.parse_known_args(argv[at + 1 :])
+    except (OSError, StopIteration, SystemExit, ImportError, AttributeError, UnicodeDecodeError):
+        return None
+    endpoint = str(getattr(args, "rdzv_endpoint", "") or "")
+    if getattr(args, "standalone", False) or getattr(args, "rdzv_backend", "") != "c10d" or not endpoint:
+        return None
+    host, _, port = endpoint.rpartition(":")
+    if not port.isdigit():  # torch's default port of the c10d rendezvous
+        host, port = endpoint, "29400"
+    return (host.strip("[]"), int(port)) if int(port) else None
+
+
+def _rendezvous_round(run_id: str) -> int | None:
+    """The round of torch's c10d rendezvous that started this process, read from its state (one ``get``)."""
+    endpoint = _rendezvous_endpoint()
+    if endpoint is None:
+        return None
+    key = f"torch.rendezvous.{run_id}"  # torch's C10dRendezvousBackend's key; read, never written
+    try:
+        store = TCPStore(*endpoint, is_master=False, timeout=timedelta(seconds=30), wait_for_workers=False)
+        if not store.check([key]):
+            return None
+        state = pickle.loads(base64.b64decode(bytes(store.get(key))))  # the agents' own format: they read it so
+    except Exception:  # a store that went, a torch that changed the format: no round
+        return None
+    found = getattr(state, "round", None)
+    return found if isinstance(found, int) and not isinstance(found, bool) else None
+
+
+def incarnation() -> str | None:
+    """The name of this process's incarnation of a torchrun group, or None (not torchrun's agent store, or unknown).
+
+    Examples:
+        >>> from ignite_ext.distributed.store.incarnation import incarnation
+        >>> incarnation() is None  # not a worker of torchrun's agent
+        True
+
+    .. versionadded:: 0.5.0
+    """
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not run_id:
+        return None
+    found = _rendezvous_round(run_id)
+    if found is not None:
+        return f"round-{found}"
+    if os.environ.get("GROUP_WORLD_SIZE") == "1":  # one agent: its restart count is every rank's
+        return f"restart-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0').strip() or '0'}"
+    return None
+
+
+def scoped(store: Store) -> Store:
+    """``store`` under its incarnation's prefix, or ``store`` itself where there is no incarnation to name.
+
+    Examples:
+        >>> import datetime
+        >>> import torch.distributed as dist
+        >>> from ignite_ext.distributed.store.incarnation import scoped
+        >>> server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=5), wait_for_workers=False)
+        >>> scoped(server) is server  # outside torchrun, nothing to scope
+        True
+
+    .. versionadded:: 0.5.0
+    """
+    name = incarnation()
+    if name is None:
+        return store
+    ours = PrefixStore(incarnation_prefix(name), store)
+    _SCOPED.add(ours)
+    return ours
+
+
+def is_scoped(store: Store) -> bool:
+    """Whether ``store`` is, or stands on, a store :func:`scoped` put under an incarnation's prefix.
+
+    Examples:
+        >>> import datetime
+        >>> import torch.distributed as dist
+        >>> from ignite_ext.distributed.store.incarnation import is_scoped
+        >>> server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=5), wait_for_workers=False)
+        >>> is_scoped(dist.PrefixStore("default_pg", server))
+        False
+
+    .. versionadded:: 0.5.0
+    """
+    seen: Any = store
+    while seen is not None:
+        if seen in _SCOPED:
+            return True
+        seen = getattr(seen, "underlying_store", None)
+    return False
+
+
+def install() -> None:
+    """Put the store of every group torch forms by ``env://`` under its incarnation's prefix (idempotent).
+
+    torch has no public way to wrap a rendezvous (``register_rendezvous_handler`` refuses a scheme it knows), so
+    this replaces the ``env`` entry of its private table, keeping the handler it wraps; a test fails if torch
+    renames the table.
+
+    Examples:
+        >>> from ignite_ext.distributed.store.incarnation import install
+        >>> install(); install()  # once is enough, twice is harmless
+
+    .. versionadded:: 0.5.0
+    """
+    handlers = getattr(importlib.import_module("torch.distributed.rendezvous"), "_rendezvous_handlers", None)
+    if not isinstance(handlers, dict):
+        return
+    current = handlers.get("env")
+    if current is None or getattr(current, "__wrapped__", None) is not None:
+        return
+
+    def env(url: str, **kwargs: Any) -> Iterator[tuple[Store, int, int]]:
+        for store, rank, world_size in current(url, **kwargs):
+            yield scoped(store), rank, world_size
+
+    env.__wrapped__ = current  # type: ignore[attr-defined]
+    handlers["env"] = env
