@@ -98,3 +98,46 @@ def test_cached_ddp_training_hits_from_the_second_epoch(extra: tuple[str, ...]) 
     rates = re.findall(r"^epoch (\d): cache hit rate (\d+)% \((\d+) hits, (\d+) loads\)", out, re.M)
     assert rates == [("1", "0", "0", "256"), ("2", "100", "256", "0"), ("3", "100", "256", "0")], out
     assert len(re.findall(r"^rank \d: 64 samples per epoch", out, re.M)) == 4, out
+
+
+def _torchrun_example(script: str, max_restarts: int, *args: str) -> tuple[int, str]:
+    """Run ``examples/<script>`` under the real ``torchrun --standalone`` (2 ranks): its exit status and output."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LOGLEVEL": "WARNING", "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         f"--max-restarts={max_restarts}", "--monitor-interval=0.5", f"examples/{script}", *args],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{script} under torchrun did not finish in {TIMEOUT_S:.0f} s:\n{out[-4000:]}")
+    return proc.returncode, out
+
+
+def _left(out: str) -> list[str]:
+    """The node caches the job's attempts named that are still on the host (their arenas and locks)."""
+    arenas = re.findall(r"node cache (\S+\.arena)", out)
+    assert arenas, out[-4000:]
+    return [f for a in arenas for f in (a, a[: -len(".arena")] + ".lock") if os.path.exists(f)]
+
+
+@pytest.mark.parametrize("fail", ["raise", "kill"])
+def test_torchrun_restart_serves_the_restarted_first_epoch_from_the_adopted_cache(fail: str) -> None:
+    # The real launcher: rank 1 fails in the first attempt's second epoch; the other rank fails in a collective
+    # or is SIGTERMed by the agent, with a restart left: both keep the node cache, which the restart adopts.
+    code, out = _torchrun_example("torchrun_restart.py", 1, "--fail", fail)
+    assert code == 0, out[-4000:]
+    assert "attempt 0 epoch 1: 0 hits, 256 loads from storage" in out, out[-4000:]
+    assert "attempt 1 epoch 1: 256 hits, 0 loads from storage" in out, out[-4000:]
+    assert "attempt 1: done" in out and _left(out) == [], out[-4000:]
+
+
+def test_torchrun_last_attempt_leaves_nothing_of_the_cache() -> None:
+    # No restart left: the job fails, and the surviving rank (failed in a collective, or SIGTERMed) deletes the
+    # node cache instead of keeping it for a restart that cannot come.
+    code, out = _torchrun_example("torchrun_restart.py", 0, "--fail", "raise")
+    assert code != 0 and "attempt 0: rank 1 fails (raise)" in out, out[-4000:]
+    assert "attempt 1" not in out and _left(out) == [], out[-4000:]

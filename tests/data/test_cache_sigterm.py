@@ -59,6 +59,8 @@ if sys.argv[2] == "read":
 dl = DataLoader(Handler(), num_workers=1, multiprocessing_context="fork", collate_fn=lambda batch: batch[0])
 worker = next(iter(dl))
 print("ready", ds.segment, ds.disk_segment, handler(), worker, flush=True)
+if sys.argv[2] == "fail":  # an exception nobody catches, as a peer's death met in a collective raises
+    raise RuntimeError("Connection closed by peer")
 time.sleep(10 * 60)
 """
 )
@@ -76,12 +78,14 @@ def _rank(disk_dir: Path, mode: str, env: dict[str, str]) -> subprocess.Popen[st
 
 
 def _terminated(disk_dir: Path, mode: str, env: dict[str, str]) -> tuple[int, list[str], str]:
-    """Run a rank until it is ready, SIGTERM it: its exit status, its ready line's words, and its output after."""
+    """Run a rank until it is ready, SIGTERM it (unless it fails by itself, ``mode`` "fail"): its exit status, its
+    ready line's words, and its output after."""
     proc = _rank(disk_dir, mode, env)
     try:
         line = _first_line(proc, STEP_TIMEOUT_S)
         assert line.startswith("ready "), proc.stderr.read() if proc.poll() is not None and proc.stderr else line
-        proc.send_signal(signal.SIGTERM)
+        if mode != "fail":
+            proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=STEP_TIMEOUT_S)
     finally:
         if proc.poll() is None:
@@ -113,10 +117,19 @@ def test_the_programs_own_sigterm_handler_runs_and_the_files_go_at_its_exit(tmp_
     assert mine == "_on_sigterm" and worker == "previous"
 
 
-def test_a_rank_sigtermed_by_its_live_elastic_agent_leaves_its_files_to_the_restart(tmp_path: Path) -> None:
-    job = {**_plain_env(), "TORCHELASTIC_RUN_ID": f"term-{uuid.uuid4().hex}", "TORCHELASTIC_RESTART_COUNT": "0"}
-    code, (ram, disk, _, _), _ = _terminated(tmp_path, "wait", job)  # the test is its agent, and lives on
-    assert code == -signal.SIGTERM
+def _job(restart: str, max_restarts: str) -> dict[str, str]:
+    """A worker's environment as torchrun's agent sets it (the test is the agent, and lives on)."""
+    return {**_plain_env(), "TORCHELASTIC_RUN_ID": f"term-{uuid.uuid4().hex}",
+            "TORCHELASTIC_RESTART_COUNT": restart, "TORCHELASTIC_MAX_RESTARTS": max_restarts}  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["wait", "fail"], ids=["sigtermed", "failed"])
+def test_an_attempt_with_a_restart_left_leaves_its_files_to_the_restart(tmp_path: Path, mode: str) -> None:
+    # Failed: a survivor meets its peer's death in a collective and exits with the error before the agent's
+    # SIGTERM; the restart read every sample again when the files went at that exit (2 of 3 real torchrun runs).
+    job = _job("0", "1")
+    code, (ram, disk, _, _), out = _terminated(tmp_path, mode, job)
+    assert code == (-signal.SIGTERM if mode == "wait" else 1), out
     assert len(_files([ram, disk])) == 4  # both tiers and their locks, for the restarted group
     restarted = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(RANK), str(tmp_path), "read"],
@@ -126,9 +139,17 @@ def test_a_rank_sigtermed_by_its_live_elastic_agent_leaves_its_files_to_the_rest
         text=True,
         timeout=STEP_TIMEOUT_S,
     )
-    # The restart's first reads come from the cache the SIGTERMed attempt left: nothing loaded from storage.
+    # The restart's first reads come from the cache the attempt left: nothing loaded from storage.
     assert restarted.returncode == 0 and restarted.stdout.strip() == "loaded [] 4 0 4", restarted.stderr
     assert _files([ram, disk]) == [] and _arenas(tmp_path) == []  # renamed by the adopter, deleted at its end
+
+
+@pytest.mark.parametrize("mode", ["wait", "fail"], ids=["sigtermed", "failed"])
+def test_the_last_attempt_leaves_nothing_however_it_ends(tmp_path: Path, mode: str) -> None:
+    # No restart can come (the agent's count reached its maximum): the files went only with the agent before.
+    code, (ram, disk, _, _), out = _terminated(tmp_path, mode, _job("1", "1"))
+    assert code == (-signal.SIGTERM if mode == "wait" else 1), out
+    assert _files([ram, disk]) == [] and _arenas(tmp_path) == []
 
 
 # Where the handler is installed: not by a cache created in another thread, nor over an ignored SIGTERM; in the

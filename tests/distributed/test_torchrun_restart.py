@@ -1,21 +1,23 @@
-"""A job restarted by the real ``torchrun --max-restarts``: the restarted attempt's blocks run as a first attempt's.
+"""Jobs restarted by the real ``torchrun --max-restarts``: every restarted attempt re-forms and runs its blocks.
 
-torchrun's agent keeps one store for every attempt of a job, and torch puts a restarted group's keys under the
-prefix the failed attempt used: the scheduler read the attempt before's keys as its own, and the restarted
-attempt's first block waited for ever (0 of 8 restarted attempts got through it). Each attempt now has keys of its
-own (``ignite_ext.distributed.store.keys.ROOT``). Plain ignite runs the same script beside, as the control.
-
-torch's own re-forming of a restarted gloo group can fail on this machine (a peer address of the failed attempt
-still in the agent's store: about half the restarts, with the package or without): a try whose group did not
-re-form is tried again, up to three times, and the test is skipped with the tries' reasons if none re-formed. Every
-try whose group re-formed must run its block and finish.
+torchrun's agent keeps one store for every attempt of a job, and torch gives a restarted group no prefix of its
+own: gloo read a dead peer's address of the attempt before (its ``connectFullMesh`` refused: about half the
+restarts of plain torch here), and the scheduler read the attempt before's keys as its own (its first block waited
+for ever). The package puts each incarnation's store under a prefix of its own
+(``ignite_ext.distributed.store.incarnation``), named by the c10d rendezvous round: with two agents, their restart
+counts differ (an agent whose workers were healthy restarts them without counting). So every run with the package
+must re-form, with one agent (``--standalone``) or two (``--rdzv-backend=c10d``), a rank failing by an exception
+or by SIGKILL, one restart or two. Plain ignite runs the same script beside, as the control: a try whose group did
+not re-form is tried again, and skipped with the tries' reasons if none did.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -28,25 +30,35 @@ BLOCK_BOUND_S = 15.0  # a first block costs 0.1-0.2 s here; the failure it guard
 
 SCRIPT = textwrap.dedent(
     """
-    import os, sys, time
+    import os, signal, sys, time
     import importlib
     from datetime import timedelta
 
-    def say(line):  # one write per line: both ranks write to the same file
+    def say(line):  # one write per line: every rank writes to the same file
         os.write(1, (line + "\\n").encode())
 
-    idist = importlib.import_module(sys.argv[1])
-    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-    idist.initialize("gloo", timeout=timedelta(seconds=10))  # a group that does not re-form fails in 10 s
+    module, how, fails, late = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "late"
+    failures = os.environ["JOB_FAILURES"]  # a line per failure so far: which attempt this is, on every node
+    attempt = len(open(failures).read().splitlines()) if os.path.exists(failures) else 0
+    if late:  # the group forms before the package is imported
+        import torch.distributed as dist
+        dist.init_process_group("gloo", timeout=timedelta(seconds=10))
+    idist = importlib.import_module(module)
+    if not late:
+        idist.initialize("gloo", timeout=timedelta(seconds=10))  # a group that does not re-form fails in 10 s
     rank = idist.get_rank()
     say(f"attempt {attempt} rank {rank}: group formed")
     start = time.monotonic()
     with idist.one_rank_first():
         pass
     say(f"attempt {attempt} rank {rank}: block in {time.monotonic() - start:.2f} s")
-    if attempt == 0 and rank == 1:
-        raise RuntimeError("rank 1 fails in attempt 0")
-    if attempt == 0:
+    if attempt < fails and rank == 1:
+        with open(failures, "a") as f:
+            f.write("failed\\n")
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise RuntimeError(f"rank 1 fails in attempt {attempt}")
+    if attempt < fails:
         time.sleep(120)  # until the agent stops it, to restart the group
     idist.finalize()
     say(f"attempt {attempt} rank {rank}: done")
@@ -54,34 +66,39 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _torchrun(tmp_path: Path, module: str, tries: int = 3) -> tuple[str, list[str]]:
-    """The log of the first try whose restarted group formed (or the last), and why the others were tried again."""
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _run(tmp_path: Path, name: str, args: list[str], agents: int, fails: int) -> str:
+    """One job under torchrun (``agents`` agents of ``2 // agents`` ranks each), its log once every agent ended."""
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "LOGLEVEL": "WARNING"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
-           "--monitor-interval=0.5", str(script), module]  # fmt: skip
-    retried: list[str] = []
-    log = ""
-    for attempt in range(tries):
-        out = tmp_path / f"{module}-{attempt}.log"
-        with out.open("w") as f:
-            proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True)  # fmt: skip
-            try:
-                proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                pass
-            finally:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "LOGLEVEL": "WARNING",
+           "JOB_FAILURES": str(tmp_path / f"{name}.failures")}  # fmt: skip
+    if agents == 1:
+        topology = ["--standalone", "--nproc-per-node=2"]
+    else:
+        topology = ["--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+                    f"--rdzv-endpoint=127.0.0.1:{_free_port()}", f"--rdzv-id={name}"]  # fmt: skip
+    cmd = [sys.executable, "-m", "torch.distributed.run", *topology, f"--max-restarts={fails}",
+           "--monitor-interval=0.5", str(script), *args]  # fmt: skip
+    out = tmp_path / f"{name}.log"
+    with out.open("w") as f:
+        procs = [subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                  start_new_session=True) for _ in range(agents)]  # fmt: skip
+        try:
+            for proc in procs:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=120 + 40 * fails)
+        finally:
+            for proc in procs:
                 if proc.poll() is None:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
-        log = out.read_text()
-        formed = len(_said(log, 1, "group formed"))
-        if formed == 2:
-            return log, retried
-        retried.append(f"try {attempt}: the restarted group did not form ({formed} of 2 ranks)")
-    return log, retried
+    return out.read_text()
 
 
 def _said(log: str, attempt: int, what: str) -> list[str]:
@@ -90,16 +107,40 @@ def _said(log: str, attempt: int, what: str) -> list[str]:
     return re.findall(rf"attempt {attempt} rank (\d+): {what}", log)
 
 
+def _assert_every_attempt_ran(log: str, fails: int) -> None:
+    for attempt in range(fails + 1):
+        assert sorted(_said(log, attempt, "group formed")) == ["0", "1"], (attempt, log[-4000:])
+        blocks = re.findall(rf"attempt {attempt} rank \d+: block in ([0-9.]+) s", log)
+        assert len(blocks) == 2 and all(float(b) < BLOCK_BOUND_S for b in blocks), (attempt, blocks, log[-4000:])
+    assert sorted(_said(log, fails, "done")) == ["0", "1"], log[-4000:]
+
+
 @pytest.mark.distributed
-@pytest.mark.timeout(1200)
-@pytest.mark.parametrize("module", ["ignite_ext.distributed", "ignite.distributed"])
-def test_a_restarted_attempt_runs_its_first_block_as_a_first_attempt_does(tmp_path: Path, module: str) -> None:
-    log, retried = _torchrun(tmp_path, module)
-    if len(_said(log, 1, "group formed")) < 2:
-        # torch's own re-forming (the control without the package fails the same way): not this package's to test.
-        pytest.skip(f"torch's restarted gloo group did not form in {len(retried)} tries: {retried}")
-    blocks = re.findall(r"attempt 1 rank \d+: block in ([0-9.]+) s", log)
-    assert len(blocks) == 2, log[-4000:]
-    assert all(float(seconds) < BLOCK_BOUND_S for seconds in blocks), blocks
-    assert sorted(_said(log, 1, "done")) == ["0", "1"], log[-4000:]
-    assert sorted(_said(log, 0, "block in")) == ["0", "1"], log[-4000:]  # the failed attempt ran its block first
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    ("agents", "how", "fails"),
+    [(1, "raise", 1), (1, "kill", 1), (1, "raise", 2), (2, "raise", 1), (2, "kill", 2)],
+    ids=["standalone-raise", "standalone-kill", "standalone-two-restarts", "two-agents-raise", "two-agents-kill-twice"],
+)
+def test_every_restarted_attempt_re_forms_and_runs_blocks(tmp_path: Path, agents: int, how: str, fails: int) -> None:
+    log = _run(tmp_path, "job", ["ignite_ext.distributed", how, str(fails), "early"], agents, fails)
+    _assert_every_attempt_ran(log, fails)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(("module", "when"), [("ignite.distributed", "early"), ("ignite_ext.distributed", "late")])
+def test_a_group_formed_without_the_packages_rendezvous(tmp_path: Path, module: str, when: str) -> None:
+    # Plain ignite (the control), and the package imported after torch formed the group: gloo's re-forming is
+    # torch's own then (a dead peer's address may be read: tried again, skipped with the reasons if it never
+    # re-forms); every try whose group re-formed must run its blocks: the package's keys are per incarnation
+    # however the group was formed.
+    retried = []
+    for attempt in range(3):
+        log = _run(tmp_path, f"try{attempt}", [module, "raise", "1", when], 1, 1)
+        if sorted(_said(log, 1, "group formed")) == ["0", "1"]:
+            _assert_every_attempt_ran(log, 1)
+            return
+        refused = re.search(r"Connection refused|connectFullMesh failed[^\n]{0,120}", log)
+        retried.append(f"try {attempt}: not re-formed ({refused.group(0) if refused else 'no reason logged'})")
+    pytest.skip(f"torch's restarted gloo group did not form in 3 tries: {retried}")

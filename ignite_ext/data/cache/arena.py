@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ignite_ext._fs import own_regular_file, pid_alive
-from ignite_ext.data.cache import _sigterm, shm
+from ignite_ext.data.cache import _sigterm, restart, shm
 from ignite_ext.data.cache._cow import PAGE, CowMap
 from ignite_ext.data.cache._follow import FollowSpace, space_bytes
 from ignite_ext.data.cache._mapping import (
@@ -141,9 +141,9 @@ def _finalize(path: str, creator: int, liveness_fd: int, keep: bool) -> None:
     # Forked children inherit the finalizer registry: only the creating process may delete the files.
     if os.getpid() != creator:
         return
-    # A persisted cache outlives its job (see .persist); a worker SIGTERMed by its live agent leaves its arenas to
-    # the restarted group, as a SIGKILLed one does.
-    if not keep and not (_sigterm.terminating() and shm.agent_lives(path)):
+    # A persisted cache outlives its job (see .persist); an attempt that fails or is SIGTERMed while its live agent
+    # has a restart left leaves its arenas to the restarted group, as a SIGKILLed one does.
+    if not keep and not (restart.leaving_for_a_restart(_sigterm.terminating()) and shm.agent_lives(path)):
         remove_files([path, path[: -len(".arena")] + ".lock"])
     with contextlib.suppress(OSError):
         os.close(liveness_fd)

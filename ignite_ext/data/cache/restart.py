@@ -39,10 +39,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 
 from ignite_ext._fs import process_identity
 
-__all__ = ["NO_JOB", "agent_lives", "agent_stamp", "cache_key", "job_key"]
+__all__ = ["NO_JOB", "agent_lives", "agent_stamp", "cache_key", "job_key", "leaving_for_a_restart"]
 
 #: Stamped where no job is known (not an elastic worker): never adopted, swept as soon as its creator is gone.
 NO_JOB = 0
@@ -143,3 +144,37 @@ def cache_key(*parts: object) -> int:
     .. versionadded:: 0.3.0
     """
     return _digest("cache|" + "|".join(repr(p) for p in parts))
+
+
+def leaving_for_a_restart(terminated: bool) -> bool:
+    """Whether this process ends as an attempt that its agent restarts: failed or SIGTERMed, with a restart left.
+
+    A failure is an exception no code caught (the interpreter records it before the exit handlers run, which is
+    where the cache's files are deleted) or a ``SIGTERM`` (``terminated``); a restart is left while
+    ``TORCHELASTIC_RESTART_COUNT`` is below ``TORCHELASTIC_MAX_RESTARTS`` (both set by torchrun's agent for its
+    node). On the last attempt, or outside an elastic worker, nothing comes after: the files go.
+
+    Args:
+        terminated: whether this process was SIGTERMed (see :mod:`~ignite_ext.data.cache._sigterm`).
+
+    Examples:
+        >>> import os
+        >>> from ignite_ext.data.cache.restart import leaving_for_a_restart
+        >>> os.environ.update(TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="1")
+        >>> leaving_for_a_restart(terminated=True), leaving_for_a_restart(terminated=False)
+        (True, False)
+        >>> os.environ["TORCHELASTIC_RESTART_COUNT"] = "1"  # the last attempt
+        >>> leaving_for_a_restart(terminated=True)
+        False
+        >>> for name in ("TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS"):
+        ...     del os.environ[name]
+
+    .. versionadded:: 0.5.0
+    """
+    failed = getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None
+    if not (terminated or failed):
+        return False
+    try:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) < int(os.environ["TORCHELASTIC_MAX_RESTARTS"])
+    except (KeyError, ValueError):
+        return False
