@@ -150,9 +150,9 @@ def test_a_death_on_a_live_host_is_reported_at_once(world: World, victims: list[
 
 def test_a_keeper_spells_its_ranks_keys_whatever_the_environment_says_by_then(world: World) -> None:
     # The ranks imported the package before this world's restart count reached their environment (the harness's
-    # fork server preloads it, as a launcher that imports early would): their keys are under ``ignite_ext``, and
-    # their keepers, started with the environment's count 3, must spell the same root, or a death on a live host
-    # is found by silence only (27.5 s here) instead of at once.
+    # fork server preloads it, as a launcher that imports early would): their keepers, started with the
+    # environment's count 3, must spell the same keys as their ranks (the root is one for every attempt: each
+    # incarnation has a store of its own), or a death on a live host is found by silence only (27.5 s here).
     t, kill_at = 30.0, 2.0
     env = {"IGNITE_EXT_HEARTBEAT_TIMEOUT": str(t), "TORCHELASTIC_RESTART_COUNT": "3"}
     results = world.results(body_waits_for_a_death, [2], kill_at, 8.0, env=env, deadline=90)
