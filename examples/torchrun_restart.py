@@ -4,7 +4,8 @@ A small model trains over a node cache (``CachedDataset(scope="node")`` with ``S
 the real launcher. In the first attempt, rank 1 fails in the second epoch (``--fail raise``: an exception;
 ``--fail kill``: SIGKILL); torchrun stops the other rank and starts the group again. The restarted group forms on
 a store of its own (nothing of the failed attempt is read), adopts the node cache the failed attempt left, and
-its first epoch loads nothing from storage. After the last attempt, nothing of the cache is left in ``/dev/shm``.
+its first epoch loads nothing from storage. After the last attempt, nothing of the cache is left in ``/dev/shm``
+(nor in ``--disk-dir``, the disk tier's directory, when one is given).
 
 Run it::
 
@@ -47,7 +48,8 @@ class SlowDataset(Dataset[tuple[torch.Tensor, int]]):
 def training(local_rank: int, args: argparse.Namespace) -> None:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     rank = idist.get_rank()
-    dataset = CachedDataset(SlowDataset(args.samples), scope="node")
+    disk = {"disk_dir": args.disk_dir, "disk_bytes": 64 << 20} if args.disk_dir else {}
+    dataset = CachedDataset(SlowDataset(args.samples), scope="node", **disk)
     sampler = ShardedDistributedSampler(dataset, shard_by="node")
     loader = idist.auto_dataloader(dataset, batch_size=args.batch_size, sampler=sampler, num_workers=args.workers)
     model = idist.auto_model(nn.Linear(FEATURES, NUM_CLASSES))
@@ -55,7 +57,7 @@ def training(local_rank: int, args: argparse.Namespace) -> None:
     trainer = create_supervised_trainer(model, optimizer, nn.CrossEntropyLoss(), device=idist.device())
     CacheStatsHandler(dataset, reduce="world").attach(trainer, name="cache")
     if rank == 0:
-        print(f"attempt {attempt}: node cache {dataset.segment}", flush=True)
+        print(f"attempt {attempt}: node cache {dataset.segment} {dataset.disk_segment or ''}", flush=True)
 
     @trainer.on(Events.ITERATION_STARTED)
     def fail(engine: Engine) -> None:
@@ -85,6 +87,7 @@ if __name__ == "__main__":
     parser.add_argument("--samples", type=int, default=256, help="dataset size (default 256)")
     parser.add_argument("--batch-size", type=int, default=32, help="global batch size (default 32)")
     parser.add_argument("--workers", type=int, default=0, help="DataLoader workers per rank (default 0)")
+    parser.add_argument("--disk-dir", default=None, help="a node-local directory for a disk tier (default: none)")
     args = parser.parse_args()
     with idist.Parallel(backend="gloo") as parallel:  # under torchrun: the group of its workers
         parallel.run(training, args)

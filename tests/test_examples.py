@@ -119,25 +119,27 @@ def _torchrun_example(script: str, max_restarts: int, *args: str) -> tuple[int, 
 
 def _left(out: str) -> list[str]:
     """The node caches the job's attempts named that are still on the host (their arenas and locks)."""
-    arenas = re.findall(r"node cache (\S+\.arena)", out)
+    arenas = re.findall(r"node cache (\S+\.arena)(?: (\S+\.arena))?", out)
+    arenas = [a for pair in arenas for a in pair if a]
     assert arenas, out[-4000:]
     return [f for a in arenas for f in (a, a[: -len(".arena")] + ".lock") if os.path.exists(f)]
 
 
 @pytest.mark.parametrize("fail", ["raise", "kill"])
-def test_torchrun_restart_serves_the_restarted_first_epoch_from_the_adopted_cache(fail: str) -> None:
+def test_torchrun_restart_serves_the_restarted_first_epoch_from_the_adopted_cache(fail: str, tmp_path: Path) -> None:
     # The real launcher: rank 1 fails in the first attempt's second epoch; the other rank fails in a collective
-    # or is SIGTERMed by the agent, with a restart left: both keep the node cache, which the restart adopts.
-    code, out = _torchrun_example("torchrun_restart.py", 1, "--fail", fail)
+    # or is SIGTERMed by the agent, with a restart left: both keep the node cache (RAM and disk tiers), which the
+    # restart adopts.
+    code, out = _torchrun_example("torchrun_restart.py", 1, "--fail", fail, "--disk-dir", str(tmp_path))
     assert code == 0, out[-4000:]
     assert "attempt 0 epoch 1: 0 hits, 256 loads from storage" in out, out[-4000:]
     assert "attempt 1 epoch 1: 256 hits, 0 loads from storage" in out, out[-4000:]
-    assert "attempt 1: done" in out and _left(out) == [], out[-4000:]
+    assert "attempt 1: done" in out and _left(out) == [] and not list(tmp_path.glob("*.arena")), out[-4000:]
 
 
-def test_torchrun_last_attempt_leaves_nothing_of_the_cache() -> None:
+def test_torchrun_last_attempt_leaves_nothing_of_the_cache(tmp_path: Path) -> None:
     # No restart left: the job fails, and the surviving rank (failed in a collective, or SIGTERMed) deletes the
-    # node cache instead of keeping it for a restart that cannot come.
-    code, out = _torchrun_example("torchrun_restart.py", 0, "--fail", "raise")
+    # node cache (both tiers) instead of keeping it for a restart that cannot come.
+    code, out = _torchrun_example("torchrun_restart.py", 0, "--fail", "raise", "--disk-dir", str(tmp_path))
     assert code != 0 and "attempt 0: rank 1 fails (raise)" in out, out[-4000:]
-    assert "attempt 1" not in out and _left(out) == [], out[-4000:]
+    assert "attempt 1" not in out and _left(out) == [] and not list(tmp_path.glob("*.arena")), out[-4000:]
