@@ -33,7 +33,8 @@ SCRIPT = textwrap.dedent(
     import ignite_ext.distributed as idist
     from ignite_ext.distributed.store.incarnation import incarnation
 
-    out = sys.argv[1]
+    out, mode = sys.argv[1], sys.argv[2]
+    first = not os.path.exists(os.path.join(out, "failed"))  # written before the first attempt fails
     def say(line):
         with open(os.path.join(out, f"said.{os.getpid()}"), "a") as f:
             f.write(line + "\\n")
@@ -47,9 +48,14 @@ SCRIPT = textwrap.dedent(
     with idist.one_rank_first():
         pass
     say(f"{said}: block in {time.monotonic() - start:.2f} s")
-    if world == 3:
+    if first:
         open(os.path.join(out, f"ready.{rank}"), "w").close()
-        while True:  # until a peer's host is lost: the barrier fails, the agent restarts this rank
+        if mode == "raise" and rank == 1:
+            while not os.path.exists(os.path.join(out, "ready.0")):
+                time.sleep(0.1)
+            open(os.path.join(out, "failed"), "w").close()
+            raise RuntimeError("rank 1 fails in the first attempt")
+        while True:  # until a peer fails or its host is lost: the barrier fails, the agent restarts this rank
             idist.barrier()
             time.sleep(0.2)
     idist.finalize()
@@ -62,34 +68,49 @@ def _said(out: Path) -> str:
     return "".join(p.read_text() for p in sorted(out.glob("said.*")))
 
 
-def test_a_group_restarted_after_a_lost_host_re_forms_and_runs_its_block(bed3: HostBed) -> None:
-    out = bed3.shared / "restart"
+def _job(bed: HostBed, hosts: int, how: str) -> tuple[str, str, list[subprocess.Popen[bytes]]]:
+    """One agent per host (the first ``hosts``), ranks that fail ``how``; what the ranks and agents said."""
+    out = bed.shared / "restart"
     out.mkdir()
-    (bed3.shared / "job.py").write_text(SCRIPT)
-    port = "29400"  # every host's network is its own
+    (bed.shared / "job.py").write_text(SCRIPT)
+    members = bed.hosts[:hosts]
     procs = []
-    for host in bed3.hosts:
-        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2:3", "--nproc-per-node=1",
-                "--rdzv-backend=c10d", f"--rdzv-endpoint={bed3.hosts[0].ip}:{port}", "--rdzv-id=lost-host",
-                f"--rdzv-conf=is_host={int(host.index == 0)},last_call_timeout=2,keep_alive_interval=1,"
-                "keep_alive_max_attempt=2", f"--local-addr={host.ip}", "--max-restarts=1", "--monitor-interval=0.5",
-                str(host.sees(bed3.shared / "job.py", bed3)), str(host.sees(out, bed3))]  # fmt: skip
-        procs.append(bed3.start(host, argv, bed3.env(LOGLEVEL="WARNING"), f"agent{host.index}.log"))
+    for host in members:
+        if how == "lost-host":  # c10d, elastic: the job goes on with the hosts left
+            rendezvous = ["--nnodes=2:3", "--rdzv-backend=c10d", f"--rdzv-endpoint={members[0].ip}:29400",
+                          "--rdzv-id=lost-host", f"--rdzv-conf=is_host={int(host.index == 0)},last_call_timeout=2,"
+                          "keep_alive_interval=1,keep_alive_max_attempt=2", f"--local-addr={host.ip}"]  # fmt: skip
+        else:  # torchrun's default: static, each host's rank given
+            rendezvous = [f"--nnodes={hosts}", f"--node-rank={host.index}", f"--master-addr={members[0].ip}",
+                          "--master-port=29500", f"--local-addr={host.ip}"]  # fmt: skip
+        argv = [sys.executable, "-m", "torch.distributed.run", *rendezvous, "--nproc-per-node=1", "--max-restarts=1",
+                "--monitor-interval=0.5", str(host.sees(bed.shared / "job.py", bed)), str(host.sees(out, bed)),
+                "raise" if how == "raise" else "wait"]  # fmt: skip
+        procs.append(bed.start(host, argv, bed.env(LOGLEVEL="WARNING"), f"agent{host.index}.log"))
     deadline = time.monotonic() + 120
-    while len(list(out.glob("ready.*"))) < 3:
-        assert time.monotonic() < deadline, _said(out) + "".join(p.read_text() for p in bed3.logs.glob("agent*"))
-        assert all(p.poll() is None for p in procs), "".join(p.read_text() for p in bed3.logs.glob("agent*"))
+    while len(list(out.glob("ready.*"))) < hosts:
+        assert time.monotonic() < deadline, _said(out) + "".join(p.read_text() for p in bed.logs.glob("agent*"))
+        assert all(p.poll() is None for p in procs), "".join(p.read_text() for p in bed.logs.glob("agent*"))
         time.sleep(0.2)
-    bed3.hosts[2].kill()
-    for proc in procs[:2]:
+    if how == "lost-host":
+        (out / "failed").touch()
+        bed.hosts[hosts - 1].kill()
+        procs = procs[:-1]
+    for proc in procs:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=150)
-    said = _said(out)
-    logs = "".join(p.read_text()[-3000:] for p in sorted(bed3.logs.glob("agent*")))
-    assert all(proc.returncode == 0 for proc in procs[:2]), said + logs
-    restarted = re.findall(r"(\S+) count (\d) world 2 rank (\d): block in ([0-9.]+) s", said)
-    assert sorted(r for _, _, r, _ in restarted) == ["0", "1"], said + logs
-    assert len({name for name, _, _, _ in restarted}) == 1 and restarted[0][0].startswith("round-"), said
+    return _said(out), "".join(p.read_text()[-3000:] for p in sorted(bed.logs.glob("agent*"))), procs
+
+
+@pytest.mark.parametrize(("hosts", "how"), [(3, "lost-host"), (2, "raise")])
+def test_a_restarted_group_re_forms_across_hosts_and_runs_its_block(bed3: HostBed, hosts: int, how: str) -> None:
+    said, logs, procs = _job(bed3, hosts, how)
+    assert all(proc.returncode == 0 for proc in procs), said + logs
+    world = len(procs)
+    restarted = re.findall(rf"(\S+) count (\d) world {world} rank (\d): block in ([0-9.]+) s", said)
+    restarted = restarted[-world:]  # the restarted attempt's (the first attempt's come first in each file)
+    assert sorted(r for _, _, r, _ in restarted) == [str(r) for r in range(world)], said + logs
+    assert len({name for name, _, _, _ in restarted}) == 1, said  # one store for the group
     assert all(float(s) < BLOCK_BOUND_S for _, _, _, s in restarted), said
-    assert len(re.findall(r"world 2 rank \d: done", said)) == 2, said + logs
-    print(said)  # the rounds and each agent's restart count, for the record
+    assert len(re.findall(rf"world {world} rank \d: done", said)) == world, said + logs
+    print(said)  # the names and each agent's restart count, for the record

@@ -19,8 +19,10 @@ agrees on: an agent whose workers were healthy restarts them without counting a 
 ``TORCHELASTIC_RESTART_COUNT`` differs across nodes. The workers' store (``MASTER_PORT``) is another server than
 the rendezvous', so a rank reads the round where its agent does: the agent's ``--rdzv-endpoint`` (its command
 line, read by torch's own parser), one connection and one ``get`` per rank and incarnation. With one agent
-(``--standalone``, a single node) its restart count names the incarnation; with several agents and no c10d
-rendezvous (etcd, static), nothing does, and the store is left as torch made it (the backends page says so).
+(``--standalone``, a single node) its restart count names the incarnation, and so it does with torchrun's default
+static rendezvous (``--node-rank``), whose agents restart only when their own workers fail: each incarnation costs
+every node one restart. With several agents of another backend (etcd), nothing names it, and the store is left as
+torch made it (the backends page says so).
 
 Nothing connects at import.
 
@@ -29,6 +31,7 @@ Nothing connects at import.
 
 from __future__ import annotations
 
+import argparse
 import base64
 import importlib
 import os
@@ -54,12 +57,12 @@ __all__ = ["RUNNERS", "RUNNER_PATHS", "incarnation", "install", "is_scoped", "sc
 _SCOPED: weakref.WeakSet[Store] = weakref.WeakSet()
 
 
-def _rendezvous_endpoint() -> tuple[str, int] | None:
-    """Where torchrun's c10d rendezvous of this worker's agent is served, from the agent's own arguments.
+def _agent_arguments() -> argparse.Namespace | None:
+    """The arguments of the torchrun agent that started this worker (its parent), as torch's own parser reads them.
 
-    A worker is its agent's child; torchrun gives it no other way to the rendezvous store (the store it gives, at
-    ``MASTER_PORT``, is another server). torch's own parser reads the arguments (and the ``PET_`` variables the
-    worker inherited). ``--standalone`` chooses its port at run time: None (one agent: its restart count names it).
+    A worker is its agent's child; torchrun tells it neither its rendezvous backend nor where the rendezvous is
+    served (the store it gives, at ``MASTER_PORT``, is another server). The parser also reads the ``PET_``
+    variables the worker inherited.
     """
     try:
         with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
@@ -69,6 +72,11 @@ def _rendezvous_endpoint() -> tuple[str, int] | None:
         args, _ = parser.parse_known_args(argv[at + 1 :])
     except (OSError, StopIteration, SystemExit, ImportError, AttributeError, UnicodeDecodeError):
         return None
+    return args if isinstance(args, argparse.Namespace) else None
+
+
+def _rendezvous_endpoint(args: argparse.Namespace) -> tuple[str, int] | None:
+    """Where the agents' c10d rendezvous is served (None for another backend, or ``--standalone``'s own port)."""
     endpoint = str(getattr(args, "rdzv_endpoint", "") or "")
     if getattr(args, "standalone", False) or getattr(args, "rdzv_backend", "") != "c10d" or not endpoint:
         return None
@@ -78,9 +86,9 @@ def _rendezvous_endpoint() -> tuple[str, int] | None:
     return (host.strip("[]"), int(port)) if int(port) else None
 
 
-def _rendezvous_round(run_id: str) -> int | None:
+def _rendezvous_round(run_id: str, args: argparse.Namespace) -> int | None:
     """The round of torch's c10d rendezvous that started this process, read from its state (one ``get``)."""
-    endpoint = _rendezvous_endpoint()
+    endpoint = _rendezvous_endpoint(args)
     if endpoint is None:
         return None
     key = f"torch.rendezvous.{run_id}"  # torch's C10dRendezvousBackend's key; read, never written
@@ -108,10 +116,15 @@ def incarnation() -> str | None:
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not run_id:
         return None
-    found = _rendezvous_round(run_id)
+    args = _agent_arguments()
+    found = None if args is None else _rendezvous_round(run_id, args)
     if found is not None:
         return f"round-{found}"
-    if os.environ.get("GROUP_WORLD_SIZE") == "1":  # one agent: its restart count is every rank's
+    # One agent: its restart count is every rank's. Static rendezvous (torchrun's default with --node-rank): an
+    # agent restarts only when its own workers fail (no membership changes), so each incarnation costs every
+    # node one restart, and the counts agree.
+    static = args is not None and not getattr(args, "standalone", False) and args.rdzv_backend == "static"
+    if os.environ.get("GROUP_WORLD_SIZE") == "1" or static:
         return f"restart-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0').strip() or '0'}"
     return None
 
