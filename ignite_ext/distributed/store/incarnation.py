@@ -142,7 +142,10 @@ def scoped(store: Store) -> Store:
 
     .. versionadded:: 0.5.0
     """
-    name = incarnation()
+    return _under(store, incarnation())
+
+
+def _under(store: Store, name: str | None) -> Store:
     if name is None:
         return store
     ours = PrefixStore(incarnation_prefix(name), store)
@@ -193,7 +196,11 @@ def install() -> None:
 
     def env(url: str, **kwargs: Any) -> Iterator[tuple[Store, int, int]]:
         for store, rank, world_size in current(url, **kwargs):
-            yield scoped(store), rank, world_size
+            name = incarnation()
+            # torch before 2.6 puts the agent store's client under its node's restart count (/worker/attempt_<n>),
+            # which differs across agents: the incarnation's name, the same on every node, takes its place.
+            torchs = getattr(store, "underlying_store", None) if name is not None else None
+            yield _under(store if torchs is None else torchs, name), rank, world_size
 
     env.__wrapped__ = current  # type: ignore[attr-defined]
     handlers["env"] = env
