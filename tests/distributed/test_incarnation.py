@@ -7,7 +7,10 @@ package wraps) and what a worker's environment decides, in one process.
 from __future__ import annotations
 
 import datetime
+import io
+import pickle
 import sys
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -70,3 +73,24 @@ def test_several_agents_without_a_c10d_rendezvous_leave_the_store_as_torch_made_
 def test_outside_torchrun_nothing_is_scoped(server: dist.TCPStore, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MASTER_PORT", str(free_port()))  # rank 0 serves its own store
     assert incarnation.incarnation() is None and not incarnation.is_scoped(_env_store())
+
+
+class _Planted:
+    """What a neighbour who reaches the rendezvous port could write as its state: a pickle that runs code."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[object, tuple[str, str]]:
+        return (Path.write_text, (Path(self.path), "ran"))  # type: ignore[return-value]
+
+
+def test_the_rendezvous_state_is_read_as_the_agents_state_and_nothing_else(tmp_path: Path) -> None:
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
+
+    state = _RendezvousState()
+    state.round = 4
+    assert incarnation._StateUnpickler(io.BytesIO(pickle.dumps(state))).load().round == 4
+    with pytest.raises(pickle.UnpicklingError, match="not a rendezvous state"):
+        incarnation._StateUnpickler(io.BytesIO(pickle.dumps(_Planted(str(tmp_path / "ran"))))).load()
+    assert not (tmp_path / "ran").exists()

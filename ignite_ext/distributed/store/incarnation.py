@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import base64
 import importlib
+import io
 import os
 import pickle
 import weakref
@@ -86,6 +87,23 @@ def _rendezvous_endpoint(args: argparse.Namespace) -> tuple[str, int] | None:
     return (host.strip("[]"), int(port)) if int(port) else None
 
 
+class _StateUnpickler(pickle.Unpickler):
+    """Reads the agents' pickled rendezvous state, and nothing else.
+
+    Anyone who reaches the rendezvous port can write its key, and a pickle of another class would run code in
+    every worker that reads it.
+    """
+
+    ALLOWED = {"torch.distributed.elastic.rendezvous.dynamic_rendezvous": None, "datetime": {"datetime", "timezone",
+               "timedelta"}, "builtins": {"set", "frozenset", "dict", "list", "tuple"}}  # fmt: skip
+
+    def find_class(self, module: str, name: str) -> Any:
+        names = self.ALLOWED.get(module, set())
+        if module not in self.ALLOWED or (names is not None and name not in names):
+            raise pickle.UnpicklingError(f"not a rendezvous state: {module}.{name}")
+        return super().find_class(module, name)
+
+
 def _rendezvous_round(run_id: str, args: argparse.Namespace) -> int | None:
     """The round of torch's c10d rendezvous that started this process, read from its state (one ``get``)."""
     endpoint = _rendezvous_endpoint(args)
@@ -96,7 +114,7 @@ def _rendezvous_round(run_id: str, args: argparse.Namespace) -> int | None:
         store = TCPStore(*endpoint, is_master=False, timeout=timedelta(seconds=30), wait_for_workers=False)
         if not store.check([key]):
             return None
-        state = pickle.loads(base64.b64decode(bytes(store.get(key))))  # the agents' own format: they read it so
+        state = _StateUnpickler(io.BytesIO(base64.b64decode(bytes(store.get(key))))).load()
     except Exception:  # a store that went, a torch that changed the format: no round
         return None
     found = getattr(state, "round", None)
