@@ -6,10 +6,13 @@ package wraps) and what a worker's environment decides, in one process.
 
 from __future__ import annotations
 
+import base64
 import datetime
 import io
 import pickle
+import shutil
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -94,3 +97,68 @@ def test_the_rendezvous_state_is_read_as_the_agents_state_and_nothing_else(tmp_p
     with pytest.raises(pickle.UnpicklingError, match="not a rendezvous state"):
         incarnation._StateUnpickler(io.BytesIO(pickle.dumps(_Planted(str(tmp_path / "ran"))))).load()
     assert not (tmp_path / "ran").exists()
+
+
+def _c10d_state(server: dist.TCPStore, run_id: str, round_: int) -> None:
+    """What torch's c10d agents keep in their rendezvous store: the pickled state, base64, under one key."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
+
+    state = _RendezvousState()
+    state.round = round_
+    server.set(f"torch.rendezvous.{run_id}", base64.b64encode(pickle.dumps(state)))
+
+
+def _c10d_worker(monkeypatch: pytest.MonkeyPatch, port: int, start: Path, local_rank: int) -> None:
+    """A worker of a c10d agent, as the agent starts it: its command line (read from /proc) and its error file."""
+    _agents_worker(monkeypatch, "2")
+    agent = incarnation.argparse.Namespace(rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}", standalone=False)
+    monkeypatch.setattr(incarnation, "_agent_arguments", lambda: agent)
+    (start / str(local_rank)).mkdir(parents=True, exist_ok=True)
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(start / str(local_rank) / "error.json"))
+    monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+
+
+def test_a_node_reads_the_rendezvous_round_once_per_start(
+    server: dist.TCPStore, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    start = tmp_path / "run" / "attempt_0"
+    _c10d_state(server, "job", 4)
+    _c10d_worker(monkeypatch, server.port, start, 0)
+    assert incarnation.incarnation() == "round-4"
+    server.delete_key("torch.rendezvous.job")  # what the siblings read is the first one's note, not the store
+    for local_rank in (1, 2):
+        _c10d_worker(monkeypatch, server.port, start, local_rank)
+        assert incarnation.incarnation() == "round-4"
+    # The agent's next start (a membership change keeps attempt_0): the directory is made anew, the store read.
+    shutil.rmtree(start)
+    _c10d_state(server, "job", 5)
+    _c10d_worker(monkeypatch, server.port, start, 1)
+    assert incarnation.incarnation() == "round-5"
+
+
+def test_a_rendezvous_store_that_does_not_answer_fails_every_worker_of_the_node_at_once(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Falling back to no name would leave the rank out of its peers' group until the group's timeout.
+    monkeypatch.setattr(incarnation, "READ_TIMEOUT", datetime.timedelta(seconds=2))
+    start, port = tmp_path / "run" / "attempt_1", free_port()
+    _c10d_worker(monkeypatch, port, start, 0)
+    began = time.monotonic()
+    with pytest.raises(ConnectionError, match=f"rendezvous round at 127.0.0.1:{port}"):
+        incarnation.incarnation()
+    _c10d_worker(monkeypatch, port, start, 1)
+    sibling = time.monotonic()
+    with pytest.raises(ConnectionError, match=f"rendezvous round at 127.0.0.1:{port}"):
+        incarnation.incarnation()
+    assert time.monotonic() - sibling < (sibling - began) / 2  # from the note, not a timeout of its own
+
+
+def test_a_rendezvous_state_of_another_format_names_nothing(
+    server: dist.TCPStore, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # A torch that changes its state's key or format: no rank names the incarnation, the store is torch's.
+    _c10d_worker(monkeypatch, server.port, tmp_path / "run" / "attempt_0", 0)
+    assert incarnation.incarnation() is None
+    server.set("torch.rendezvous.job", b"not base64 pickle")
+    _c10d_worker(monkeypatch, server.port, tmp_path / "run2" / "attempt_0", 0)
+    assert incarnation.incarnation() is None

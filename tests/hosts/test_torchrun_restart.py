@@ -5,7 +5,10 @@ Three hosts, one rank each, one torchrun agent per host with torch's c10d rendez
 whole (its PID namespace's init: its agent and rank die at once). The survivors fail in the barrier, their agents
 restart them, and the rendezvous goes on with the two hosts left. The restarted group must form and run its block
 as a first attempt does: its store is named by the rendezvous round (the agents' restart counts need not agree),
-so nothing of the failed attempt (gloo's peer addresses, the scheduler's keys) is read.
+so nothing of the failed attempt (gloo's peer addresses, the scheduler's keys) is read. Each host's node cache
+(``CachedDataset(scope="node")``, filled in the first attempt) is kept by its failing rank for the restart, adopted
+by it (no sample loaded again), and gone from the host's ``/dev/shm`` after the last attempt. The same with torchrun's
+default static rendezvous across two hosts, a rank failing by an exception.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ SCRIPT = textwrap.dedent(
     import os, sys, time
     from datetime import timedelta
     import ignite_ext.distributed as idist
+    from ignite_ext.data import CachedDataset
     from ignite_ext.distributed.store.incarnation import incarnation
 
     out, mode = sys.argv[1], sys.argv[2]
@@ -48,6 +52,10 @@ SCRIPT = textwrap.dedent(
     with idist.one_rank_first():
         pass
     say(f"{said}: block in {time.monotonic() - start:.2f} s")
+    cache = CachedDataset([bytes([i]) * 1024 for i in range(SAMPLES)], scope="node")  # each host's own
+    assert all(cache[i] == bytes([i]) * 1024 for i in range(SAMPLES))  # every rank reads every sample
+    when, segment = "first" if first else "again", os.path.basename(cache.segment)
+    say(f"{said}: {when} loads {cache.stats().misses} segment {segment}")
     if first:
         open(os.path.join(out, f"ready.{rank}"), "w").close()
         if mode == "raise" and rank == 1:
@@ -58,10 +66,11 @@ SCRIPT = textwrap.dedent(
         while True:  # until a peer fails or its host is lost: the barrier fails, the agent restarts this rank
             idist.barrier()
             time.sleep(0.2)
+    cache.close()
     idist.finalize()
     say(f"{said}: done")
     """
-)
+).replace("SAMPLES", "64")
 
 
 def _said(out: Path) -> str:
@@ -113,4 +122,12 @@ def test_a_restarted_group_re_forms_across_hosts_and_runs_its_block(bed3: HostBe
     assert len({name for name, _, _, _ in restarted}) == 1, said  # one store for the group
     assert all(float(s) < BLOCK_BOUND_S for _, _, _, s in restarted), said
     assert len(re.findall(rf"world {world} rank \d: done", said)) == world, said + logs
+    # Each surviving host's node cache, left by the failed attempt, is adopted: nothing loaded after the restart.
+    loads = re.findall(r"rank \d: (first|again) loads (\d+) segment (\S+)", said)
+    assert [n for when, n, _ in loads if when == "first"] == ["64"] * hosts, said  # the first attempt loads
+    assert [n for when, n, _ in loads if when == "again"] == ["0"] * world, said
+    # And after the last attempt nothing of the job is left in any surviving host's /dev/shm.
+    for host in bed3.hosts[:world]:
+        left = host.run(["ls", "-A", "/dev/shm"]).split()
+        assert not {segment for _, _, segment in loads} & set(left), (host.name, left)
     print(said)  # the names and each agent's restart count, for the record

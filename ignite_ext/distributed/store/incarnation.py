@@ -18,7 +18,8 @@ An incarnation is named by the round of torch's c10d rendezvous, the one number 
 agrees on: an agent whose workers were healthy restarts them without counting a restart, so
 ``TORCHELASTIC_RESTART_COUNT`` differs across nodes. The workers' store (``MASTER_PORT``) is another server than
 the rendezvous', so a rank reads the round where its agent does: the agent's ``--rdzv-endpoint`` (its command
-line, read by torch's own parser), one connection and one ``get`` per rank and incarnation. With one agent
+line, read by torch's own parser), one connection and one ``get`` per node and incarnation (the first worker of a
+start reads, its siblings find its note in the directory the agent made for that start). With one agent
 (``--standalone``, a single node) its restart count names the incarnation, and so it does with torchrun's default
 static rendezvous (``--node-rank``), whose agents restart only when their own workers fail: each incarnation costs
 every node one restart. With several agents of another backend (etcd), nothing names it, and the store is left as
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import fcntl
 import importlib
 import io
 import os
@@ -53,7 +55,7 @@ if TYPE_CHECKING:  # torch declares them in the stub of its extension, and expor
 else:
     from torch.distributed import PrefixStore, Store, TCPStore
 
-__all__ = ["RUNNERS", "RUNNER_PATHS", "incarnation", "install", "is_scoped", "scoped"]
+__all__ = ["NOTE", "READ_TIMEOUT", "RUNNERS", "RUNNER_PATHS", "incarnation", "install", "is_scoped", "scoped"]
 
 _SCOPED: weakref.WeakSet[Store] = weakref.WeakSet()
 
@@ -104,25 +106,94 @@ class _StateUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def _rendezvous_round(run_id: str, args: argparse.Namespace) -> int | None:
-    """The round of torch's c10d rendezvous that started this process, read from its state (one ``get``)."""
-    endpoint = _rendezvous_endpoint(args)
-    if endpoint is None:
-        return None
+#: How long a rank waits to reach its agents' rendezvous store (its own agent joined through it moments ago).
+READ_TIMEOUT = timedelta(seconds=30)
+#: The file, in the agent's directory of this start of its workers, where the first of them leaves what it read.
+NOTE = "ignite_ext-rendezvous-round"
+
+
+def _rendezvous_round(run_id: str, endpoint: tuple[str, int]) -> int | None:
+    """The round of torch's c10d rendezvous that started this process, read from its state (one ``get``).
+
+    Raises:
+        ConnectionError: the rendezvous store did not answer. Falling back to no name would leave this rank out of
+            the group its peers form under the round's name (a wait to the group's timeout), so it fails at once.
+    """
     key = f"torch.rendezvous.{run_id}"  # torch's C10dRendezvousBackend's key; read, never written
     try:
-        store = TCPStore(*endpoint, is_master=False, timeout=timedelta(seconds=30), wait_for_workers=False)
-        if not store.check([key]):
-            return None
-        state = _StateUnpickler(io.BytesIO(base64.b64decode(bytes(store.get(key))))).load()
-    except Exception:  # a store that went, a torch that changed the format: no round
+        store = TCPStore(*endpoint, is_master=False, timeout=READ_TIMEOUT, wait_for_workers=False)
+        raw = bytes(store.get(key)) if store.check([key]) else None
+    except Exception as e:  # torch raises RuntimeError, DistStoreError or OSError by release
+        where = f"{endpoint[0]}:{endpoint[1]}"
+        raise ConnectionError(f"could not read torchrun's rendezvous round at {where} (--rdzv-endpoint): {e}") from e
+    try:  # a torch that changed the key or its format: no name on any rank, as torch made the store
+        state = _StateUnpickler(io.BytesIO(base64.b64decode(raw))).load() if raw is not None else None
+    except Exception:
         return None
     found = getattr(state, "round", None)
     return found if isinstance(found, int) and not isinstance(found, bool) else None
 
 
+def _start_directory() -> str | None:
+    """The directory torchrun's agent made anew for this start of its workers, if it is this user's.
+
+    The agent removes and re-creates ``<log dir>/<run>/attempt_<n>/`` before each start (a restart after a
+    membership change keeps ``n``) and gives each worker ``attempt_<n>/<local rank>/error.json``: what a worker
+    leaves there is seen by its siblings, and never by the workers of another start.
+    """
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE", "")
+    rank_dir = os.path.dirname(error_file)
+    start = os.path.dirname(rank_dir)
+    if not error_file or os.path.basename(rank_dir) != os.environ.get("LOCAL_RANK", "-"):
+        return None
+    if not os.path.basename(start).startswith("attempt_"):
+        return None
+    try:
+        return start if os.stat(start).st_uid == os.getuid() else None
+    except OSError:
+        return None
+
+
+def _read_once_per_node(run_id: str, endpoint: tuple[str, int]) -> int | None:
+    """The round, read from the rendezvous store by one worker of this start and by its siblings from its note.
+
+    The state is one pickle of every node's entry (146 KB at 1,250 nodes): read by every rank, a job of 1,250
+    nodes of 8 would pull 1.5 GB from the one agent that serves it at each start; read once per node, 183 MB,
+    what one round of the agents' own heartbeats moves. Where the agent's directory is unknown (``--log-dir
+    /dev/null``), each rank reads.
+    """
+    start = _start_directory()
+    if start is None:
+        return _rendezvous_round(run_id, endpoint)
+    note = os.path.join(start, NOTE)
+    fd = os.open(start, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # the siblings wait for the first reader; released when fd closes
+        try:
+            with open(note, encoding="utf-8") as f:
+                text = f.read()
+        except FileNotFoundError:
+            try:
+                found = _rendezvous_round(run_id, endpoint)
+                text = f"round {'' if found is None else found}"
+            except ConnectionError as e:
+                text = f"error {e}"  # the siblings fail at once with it, not one timeout each
+            with open(note + ".part", "w", encoding="utf-8") as f:
+                f.write(text)
+            os.replace(note + ".part", note)
+    finally:
+        os.close(fd)
+    kind, _, value = text.partition(" ")
+    if kind == "error":
+        raise ConnectionError(value)
+    return int(value) if value.isdigit() else None
+
+
 def incarnation() -> str | None:
     """The name of this process's incarnation of a torchrun group, or None (not torchrun's agent store, or unknown).
+
+    Raises:
+        ConnectionError: a worker of a c10d rendezvous could not read its round (the agents' store is gone).
 
     Examples:
         >>> from ignite_ext.distributed.store.incarnation import incarnation
@@ -135,7 +206,8 @@ def incarnation() -> str | None:
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not run_id:
         return None
     args = _agent_arguments()
-    found = None if args is None else _rendezvous_round(run_id, args)
+    endpoint = None if args is None else _rendezvous_endpoint(args)
+    found = None if endpoint is None else _read_once_per_node(run_id, endpoint)
     if found is not None:
         return f"round-{found}"
     # One agent: its restart count is every rank's. Static rendezvous (torchrun's default with --node-rank): an
