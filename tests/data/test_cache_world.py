@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._world import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 
 _LOADED = "sorted(m for m in sys.modules if m.split('.')[0] == 'ignite' or m.startswith('ignite_ext.distributed'))"
@@ -48,7 +50,7 @@ def test_a_cache_in_a_process_group_asks_ignite() -> None:
         from ignite_ext.data import CachedDataset
         from ignite_ext.data.cache._world import ignite_world
         assert ignite_world() is None
-        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
         ds = CachedDataset([torch.zeros(2)] * 4, capacity_bytes=1 << 20, scope="node")
         ds[0], ds[0]
         assert ds.stats(reduce="node").hits == 1

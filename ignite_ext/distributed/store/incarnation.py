@@ -18,7 +18,7 @@ An incarnation is named by the round of torch's c10d rendezvous, the one number 
 agrees on: an agent whose workers were healthy restarts them without counting a restart, so
 ``TORCHELASTIC_RESTART_COUNT`` differs across nodes. The workers' store (``MASTER_PORT``) is another server than
 the rendezvous', so a rank reads the round where its agent does: the agent's ``--rdzv-endpoint`` (its command
-line, read by torch's own parser), one connection and one ``get`` per node and incarnation (the first worker of a
+line, read by torch's own parser), one connection and one read per node and incarnation (the first worker of a
 start reads, its siblings find its note in the directory the agent made for that start). With one agent
 (``--standalone``, a single node) its restart count names the incarnation, and so it does with torchrun's default
 static rendezvous (``--node-rank``), whose agents restart only when their own workers fail: each incarnation costs
@@ -113,16 +113,18 @@ NOTE = "ignite_ext-rendezvous-round"
 
 
 def _rendezvous_round(run_id: str, endpoint: tuple[str, int]) -> int | None:
-    """The round of torch's c10d rendezvous that started this process, read from its state (one ``get``).
+    """The round of torch's c10d rendezvous that started this process, read from its state (one request).
 
     Raises:
         ConnectionError: the rendezvous store did not answer. Falling back to no name would leave this rank out of
             the group its peers form under the round's name (a wait to the group's timeout), so it fails at once.
     """
+    from ignite_ext.distributed.store.clients import read  # clients scopes its stores with this module
+
     key = f"torch.rendezvous.{run_id}"  # torch's C10dRendezvousBackend's key; read, never written
     try:
         store = TCPStore(*endpoint, is_master=False, timeout=READ_TIMEOUT, wait_for_workers=False)
-        raw = bytes(store.get(key)) if store.check([key]) else None
+        raw = read(store, key)  # one request on every torch (2.1's stores have no check)
     except Exception as e:  # torch raises RuntimeError, DistStoreError or OSError by release
         where = f"{endpoint[0]}:{endpoint[1]}"
         raise ConnectionError(f"could not read torchrun's rendezvous round at {where} (--rdzv-endpoint): {e}") from e
