@@ -33,7 +33,7 @@ FULL=("${CONTRACT[@]}" tests/distributed/test_liveness.py tests/distributed/test
   tests/data/test_cache.py tests/data/test_cache_world.py tests/data/test_cache_dist.py tests/data/test_cache_restart.py
   tests/data/test_cache_sigterm.py tests/data/test_cache_follow.py tests/data/test_sampler.py
   tests/data/test_sampler_distributed.py tests/data/test_sampler_resume_distributed.py
-  tests/distributed/test_incarnation.py tests/distributed/test_torchrun_restart.py)
+  tests/distributed/test_incarnation.py tests/distributed/test_torchrun_restart.py tests/data/test_start_methods.py)
 
 # The interpreter of a minor version: python3.X where it runs, else pyenv's.
 interpreter() {

@@ -1,10 +1,14 @@
-"""The progress board: where a process and the DataLoader workers it forks record how far their work got.
+"""The progress board: where a process and its DataLoader workers record how far their work got.
 
-One anonymous shared mapping, made when the package is imported (so that every worker forked after it writes to
-the same pages), holds a slot per writer: slot 0 for the process's own threads, one per DataLoader worker after
-it. A slot is a few numbers and a short text, written under a sequence lock (odd while a write is under way), so
-that a reader never sees half a record and a writer never waits for a reader. Nothing here touches a file, a
-socket or another process: reading the board is reading memory.
+One shared mapping, made when the package is imported (so that every worker forked after it writes to the same
+pages), holds a slot per writer: slot 0 for the process's own threads, one per DataLoader worker after it. A slot
+is a few numbers and a short text, written under a sequence lock (odd while a write is under way), so that a
+reader never sees half a record and a writer never waits for a reader. Reading the board is reading memory.
+
+Workers started by ``spawn`` or ``forkserver`` (the default from Python 3.14) inherit no mapping: on Linux the
+board is an anonymous memory file (``memfd``, gone with the last process that maps it), whose descriptor the
+process names in ``IGNITE_EXT_PROGRESS_BOARD`` (``<pid>:<fd>``); such a worker maps its rank's board through
+``/proc/<pid>/fd/<fd>`` at its first report, when the name is its own rank's (``multiprocessing.parent_process``).
 
 Standard library only: the download helpers report here without importing torch.
 
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import multiprocessing
 import os
 import struct
 import sys
@@ -22,7 +27,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-__all__ = ["SLOTS", "Progress", "begin", "read", "write"]
+__all__ = ["ENV", "SLOTS", "Progress", "begin", "read", "write"]
 
 #: Slots on the board: the process itself, then up to ``SLOTS - 1`` DataLoader workers (others share by id).
 SLOTS = 65
@@ -34,15 +39,27 @@ _SEQ = struct.Struct("<Q")
 _DATA = struct.Struct("<QdddddB7s96s")
 _SLOT_SIZE = _SEQ.size + _DATA.size
 _HEADER = struct.Struct("<Q")  # the board's generation: a slot of another generation is an earlier block's
+_SIZE = _HEADER.size + SLOTS * _SLOT_SIZE
 _local = threading.Lock()  # the process's own threads share slot 0
+#: Where a process names its board for the workers it starts without fork: ``<pid>:<fd>``.
+ENV = "IGNITE_EXT_PROGRESS_BOARD"
 
 
-def _new_board() -> mmap.mmap:
-    return mmap.mmap(-1, _HEADER.size + SLOTS * _SLOT_SIZE)  # anonymous and shared: inherited by forked workers
+def _new_board() -> tuple[mmap.mmap, int | None]:
+    """A board for this process, shared with what it forks, and named for what it spawns where that is possible."""
+    make = getattr(os, "memfd_create", None)
+    if make is None:  # not Linux: workers not forked report unseen
+        return mmap.mmap(-1, _SIZE), None
+    fd = make("ignite_ext-progress", getattr(os, "MFD_CLOEXEC", 1))
+    os.ftruncate(fd, _SIZE)
+    os.environ[ENV] = f"{os.getpid()}:{fd}"  # the fd stays open: a spawned worker opens the board through it
+    return mmap.mmap(fd, _SIZE), fd
 
 
-_board = _new_board()
+_INHERITED = os.environ.get(ENV)  # the starting process's board, as named before this one's replaces the name
+_board, _fd = _new_board()
 _OWNER = os.getpid()
+_spawners: mmap.mmap | bool | None = None  # the rank's board in a worker it did not fork (False: unreachable)
 
 
 @dataclass(frozen=True)
@@ -105,18 +122,49 @@ def _amount(value: float, unit: str, scale_of: float | None = None) -> str:
     return f"{value:.0f}" if scale_of is not None else f"{value:.0f} B"
 
 
-def _slot() -> int:
-    """This writer's slot: 0 in the process that imported the package, else its DataLoader worker's."""
-    if os.getpid() == _OWNER:
-        return 0
+def _target() -> tuple[mmap.mmap, int]:
+    """The board this writer writes to and its slot: the process's own 0, or its DataLoader worker's."""
     data = sys.modules.get("torch.utils.data")  # a worker of torch's DataLoader: torch is imported already
     info = data.get_worker_info() if data is not None else None
-    index = info.id if info is not None else os.getpid()
-    return 1 + index % (SLOTS - 1)
+    if info is None and os.getpid() == _OWNER:
+        return _board, 0
+    slot = 1 + (info.id if info is not None else os.getpid()) % (SLOTS - 1)
+    rank = _spawners_board() if info is not None else None
+    if rank is not None:
+        return rank, slot
+    return (_board, 0) if os.getpid() == _OWNER else (_board, slot)
 
 
-def _generation() -> int:
-    return int(_HEADER.unpack_from(_board, 0)[0])
+def _spawners_board() -> mmap.mmap | None:
+    """The board of the process that started this DataLoader worker without forking it (spawn, forkserver)."""
+    global _spawners
+    if _spawners is None:
+        _spawners = False
+        parent = multiprocessing.parent_process()  # the rank, whichever the start method (the forkserver is not)
+        if parent is not None and parent.pid != _OWNER:  # forked from the rank: its board is inherited
+            for name in (_INHERITED, os.environ.get(ENV)):
+                pid, _, fd = (name or "").partition(":")
+                if pid == str(parent.pid) and fd.isdigit():
+                    try:
+                        with open(f"/proc/{pid}/fd/{fd}", "r+b") as f:
+                            if os.fstat(f.fileno()).st_size == _SIZE:
+                                _spawners = mmap.mmap(f.fileno(), _SIZE)
+                                break
+                    except (OSError, ValueError):
+                        continue
+    return _spawners if isinstance(_spawners, mmap.mmap) else None
+
+
+def _is_board(fd: int) -> bool:
+    """Whether ``fd`` is still a board's (a process may have closed what it inherited, and reused the number)."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:ignite_ext-progress")
+    except OSError:
+        return False
+
+
+def _generation(board: mmap.mmap | None = None) -> int:
+    return int(_HEADER.unpack_from(_board if board is None else board, 0)[0])
 
 
 def begin() -> None:
@@ -134,10 +182,12 @@ def begin() -> None:
 
     .. versionadded:: 0.4.0
     """
-    global _board, _OWNER
+    global _board, _fd, _OWNER
     with _local:
         if os.getpid() != _OWNER:
-            _board, _OWNER = _new_board(), os.getpid()
+            if _fd is not None and _is_board(_fd):
+                os.close(_fd)  # the parent's board, inherited: this process names its own from now on
+            (_board, _fd), _OWNER = _new_board(), os.getpid()
         _HEADER.pack_into(_board, 0, _generation() + 1)
 
 
@@ -157,14 +207,15 @@ def write(done: float | None, total: float | None, what: str | None, unit: str |
 
     .. versionadded:: 0.4.0
     """
-    offset = _HEADER.size + _slot() * _SLOT_SIZE
+    board, slot = _target()
+    offset = _HEADER.size + slot * _SLOT_SIZE
     now = time.monotonic()
     with _local:
-        (seq,) = _SEQ.unpack_from(_board, offset)
+        (seq,) = _SEQ.unpack_from(board, offset)
         gen, was, whole, start_done, started, advanced, _, was_unit, was_what = _DATA.unpack_from(
-            _board, offset + _SEQ.size
+            board, offset + _SEQ.size
         )
-        generation = _generation()
+        generation = _generation(board)
         fresh = gen != generation or (what is not None and what.encode()[:96] != was_what.rstrip(b"\0"))
         if fresh:
             was, whole, was_unit, was_what = 0.0, math.nan, b"", b""
@@ -184,9 +235,9 @@ def write(done: float | None, total: float | None, what: str | None, unit: str |
             unit.encode()[:7] if unit is not None else was_unit,
             what.encode()[:96] if what is not None else was_what,
         )
-        _SEQ.pack_into(_board, offset, seq + 1)  # odd: a reader of this slot now tries again
-        _DATA.pack_into(_board, offset + _SEQ.size, *record)
-        _SEQ.pack_into(_board, offset, seq + 2)
+        _SEQ.pack_into(board, offset, seq + 1)  # odd: a reader of this slot now tries again
+        _DATA.pack_into(board, offset + _SEQ.size, *record)
+        _SEQ.pack_into(board, offset, seq + 2)
 
 
 def read() -> Progress | None:

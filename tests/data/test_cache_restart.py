@@ -54,13 +54,14 @@ def _agent(procs: list[Any]) -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
-def _attempt(base: CountingDataset, disk_dir: str, die_after: int | None) -> dict[str, Any]:
+def _attempt(base: CountingDataset, disk_dir: str, die_after: int | None, context: str = "fork") -> dict[str, Any]:
     """One attempt of the job: a node cache, one epoch read by both ranks; with ``die_after``, rank 1 is SIGKILLed
-    after that many batches of a second epoch (its node's cache full from the first one)."""
+    after that many batches of a second epoch (its node's cache full from the first one). The DataLoader's workers
+    are started by ``context``."""
     mp.current_process().daemon = False  # DataLoader workers are children of the (daemonic) rank
     ds = CachedDataset(base, scope="node", capacity_bytes=RAM_CAP, disk_dir=disk_dir, disk_bytes=DISK_CAP)
     sampler = ShardedDistributedSampler(ds, shard_by="node")
-    dl = DataLoader(ds, batch_size=4, sampler=sampler, num_workers=2, multiprocessing_context="fork")
+    dl = DataLoader(ds, batch_size=4, sampler=sampler, num_workers=2, multiprocessing_context=context)
     idist.barrier()
     loads, start = sum(base.loads()), ds.stats(reduce="node")
     sampler.set_epoch(0)
@@ -84,7 +85,9 @@ def _attempt(base: CountingDataset, disk_dir: str, die_after: int | None) -> dic
     return out
 
 
-def test_a_restarted_worker_group_reads_nothing_from_storage_in_its_first_epoch(world: World, tmp_path: Path) -> None:
+def test_a_restarted_worker_group_reads_nothing_from_storage_in_its_first_epoch(
+    world: World, tmp_path: Path, context: str = "fork"
+) -> None:
     base = CountingDataset(N, size=1024, context="forkserver")
     job = {"TORCHELASTIC_RUN_ID": f"restart-{uuid.uuid4().hex}"}
     first = world.results(
@@ -92,6 +95,7 @@ def test_a_restarted_worker_group_reads_nothing_from_storage_in_its_first_epoch(
         base,
         str(tmp_path),
         2,
+        context,
         nprocs=2,
         nproc_per_node=2,
         env={**job, "TORCHELASTIC_RESTART_COUNT": "0"},
@@ -109,6 +113,7 @@ def test_a_restarted_worker_group_reads_nothing_from_storage_in_its_first_epoch(
         base,
         str(tmp_path),
         None,
+        context,
         nprocs=2,
         nproc_per_node=2,
         env={**job, "TORCHELASTIC_RESTART_COUNT": "1"},
