@@ -6,8 +6,10 @@
 #
 # Usage: bash scripts/compat.sh [TORCH:IGNITE[:PYTHON] ...]   default: the pairs below (oldest and newest admitted,
 #        bash scripts/compat.sh --contract TORCH:IGNITE[:PYTHON]  the releases between where torch's store changed)
+#        bash scripts/compat.sh --fork TORCH:IGNITE[:PYTHON]      the tests with DataLoader workers only
 #   PYTHON: a minor version (3.12), found as python3.12 or in pyenv's versions; by default $PYTHON or python3.11.
 #   --contract: the store-contract tests only (what CI runs on the builds this machine has on disk).
+#   --fork: the cache's and the sampler's tests with workers (what CI runs on a second interpreter).
 # PyPI's torch wheels other than the CPU build on disk are CUDA builds of a few GB: they install and run on the CPU.
 # The environments are kept outside the repository ($IGNITE_EXT_CACHE/venvs/compat_*), keyed by the versions.
 # Exit status: 0 when every pair passed.
@@ -20,7 +22,10 @@ command -v "$PY" >/dev/null || PY=python3
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 SCOPE=full
-if [ "${1:-}" = "--contract" ]; then SCOPE=contract; shift; fi
+case "${1:-}" in
+  --contract) SCOPE=contract; shift ;;
+  --fork) SCOPE=fork; shift ;;
+esac
 # 2.1.2: the floor (no Store.clone, no check, no DistStoreError, the store protocol without VALIDATE);
 # 2.5.1: libuv store by default, still no Store.clone; 2.13.0: the CPU build this project runs on; 2.14.1: newest.
 PAIRS=("$@")
@@ -28,12 +33,13 @@ PAIRS=("$@")
 
 CONTRACT=(tests/distributed/test_store_contract.py tests/distributed/test_process_watch.py
   ignite_ext/distributed/store)
-FULL=("${CONTRACT[@]}" tests/distributed/test_liveness.py tests/distributed/test_fault_sweep.py
-  tests/backends/test_matrix.py tests/test_examples.py tests/data/test_fork_safety.py
-  tests/data/test_cache.py tests/data/test_cache_world.py tests/data/test_cache_dist.py tests/data/test_cache_restart.py
-  tests/data/test_cache_sigterm.py tests/data/test_cache_follow.py tests/data/test_sampler.py
-  tests/data/test_sampler_distributed.py tests/data/test_sampler_resume_distributed.py
-  tests/distributed/test_incarnation.py tests/distributed/test_torchrun_restart.py tests/data/test_start_methods.py)
+# The tests whose ranks fork DataLoader workers (or start them otherwise): what an interpreter's fork changes.
+FORK=(tests/data/test_fork_safety.py tests/data/test_cache.py tests/data/test_cache_world.py tests/data/test_cache_dist.py
+  tests/data/test_cache_restart.py tests/data/test_cache_sigterm.py tests/data/test_sampler_distributed.py
+  tests/data/test_sampler_resume_distributed.py)
+FULL=("${CONTRACT[@]}" "${FORK[@]}" tests/data/test_start_methods.py tests/distributed/test_liveness.py tests/distributed/test_fault_sweep.py
+  tests/backends/test_matrix.py tests/test_examples.py tests/data/test_cache_follow.py tests/data/test_sampler.py
+  tests/distributed/test_incarnation.py tests/distributed/test_torchrun_restart.py)
 
 # The interpreter of a minor version: python3.X where it runs, else pyenv's.
 interpreter() {
@@ -78,6 +84,7 @@ for pair in "${PAIRS[@]}"; do
   fi
   selection=("${CONTRACT[@]}")
   [ "$SCOPE" = full ] && selection=("${FULL[@]}")
+  [ "$SCOPE" = fork ] && selection=("${FORK[@]}")
   log="${TMPDIR:-/tmp}/ignite_ext_compat_${torch_v}_${ignite_v}_${py_v}.log"
   echo "[compat] torch $torch_v, pytorch-ignite $ignite_v, Python $py_v: ${selection[*]}" >&2
   if (cd "$ROOT" && "$venv/bin/python" -m pytest -q -p no:cacheprovider "${selection[@]}") >"$log" 2>&1; then

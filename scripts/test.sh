@@ -52,6 +52,18 @@ else
   export IGNITE_EXT_HOSTS_UNAVAILABLE="${HOSTS_PROBE:-the probe (python -m tests._hosts) failed without a word}"
 fi
 echo "[test] pytest"; python -m pytest "$@"
+# The tests with DataLoader workers again, on a second interpreter without CPython's fork deadlock (Python 3.12, in
+# an environment of its own with PyPI's torch 2.13.0): in the background, beside the contract run and the docs
+# build, which leave a core to it. A red lane is a red suite; a machine without Python 3.12 says so loudly and
+# leaves it out. IGNITE_EXT_NO_SECOND_PYTHON=1 leaves it out; SECOND_PYTHON=3.13 picks another.
+SECOND="" SECOND_LOG="${TMPDIR:-/tmp}/ignite_ext_second_python.log"
+if [ -z "$FAST" ] && [ -z "${IGNITE_EXT_NO_SECOND_PYTHON:-}" ]; then
+  echo "[test] second interpreter: the fork lane on Python ${SECOND_PYTHON:-3.12}, in the background"
+  setsid bash scripts/compat.sh --fork "2.13.0:0.5.5:${SECOND_PYTHON:-3.12}" >"$SECOND_LOG" 2>&1 &
+  SECOND=$!
+  # A step below that fails ends this script: the lane (its own process group) goes with it.
+  trap 'kill -KILL -- "-$SECOND" 2>/dev/null || true' EXIT
+fi
 # The store contract on the other torch this machine has on disk (2.14.1; the suite above ran 2.13.0): a red
 # contract is a red suite. IGNITE_EXT_NO_COMPAT=1 leaves it out (a machine without that build).
 echo "[test] compat"
@@ -62,5 +74,17 @@ if [ -n "$FAST" ]; then
   echo "[test] fast lane: docs build left for the full lane"
 else
   echo "[test] docs";   python -m sphinx -W --keep-going -q -b html docs docs/_build/html
+fi
+if [ -n "$SECOND" ]; then
+  echo "[test] second interpreter"
+  if wait "$SECOND"; then
+    grep '^\[compat\] |' "$SECOND_LOG"
+  elif grep -q '^\[compat\] no Python' "$SECOND_LOG"; then
+    echo "[test] !!! NO SECOND INTERPRETER: the fork lane ran on one Python only: $(grep '^\[compat\] no' "$SECOND_LOG")"
+  else
+    echo "[test] !!! the fork lane on a second interpreter FAILED; last lines of $SECOND_LOG:"
+    tail -n 40 "$SECOND_LOG" | sed 's/^/[test] !!!   /'
+    exit 1
+  fi
 fi
 echo "[test] all checks passed"

@@ -6,9 +6,10 @@ is a few numbers and a short text, written under a sequence lock (odd while a wr
 reader never sees half a record and a writer never waits for a reader. Reading the board is reading memory.
 
 Workers started by ``spawn`` or ``forkserver`` (the default from Python 3.14) inherit no mapping: on Linux the
-board is an anonymous memory file (``memfd``, gone with the last process that maps it), whose descriptor the
-process names in ``IGNITE_EXT_PROGRESS_BOARD`` (``<pid>:<fd>``); such a worker maps its rank's board through
-``/proc/<pid>/fd/<fd>`` at its first report, when the name is its own rank's (``multiprocessing.parent_process``).
+board is an anonymous memory file (``memfd``: on no filesystem, gone with the last process that maps it; ``lsof``
+lists it as ``/memfd:ignite_ext-progress (deleted)``), whose descriptor the process names in
+``IGNITE_EXT_PROGRESS_BOARD`` (``<pid>:<fd>``); such a worker maps its rank's board through ``/proc/<pid>/fd/<fd>``
+at its first report, when the name is its own rank's (``multiprocessing.parent_process``).
 
 Standard library only: the download helpers report here without importing torch.
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import fcntl
 import importlib
 import io
@@ -170,7 +171,10 @@ def _read_once_per_node(run_id: str, endpoint: tuple[str, int]) -> int | None:
     note = os.path.join(start, NOTE)
     fd = os.open(start, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # the siblings wait for the first reader; released when fd closes
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # the siblings wait for the first reader; released when fd closes
+        except OSError:  # a log directory where flock is refused (some network filesystems): each rank reads
+            return _rendezvous_round(run_id, endpoint)
         try:
             with open(note, encoding="utf-8") as f:
                 text = f.read()
@@ -180,9 +184,10 @@ def _read_once_per_node(run_id: str, endpoint: tuple[str, int]) -> int | None:
                 text = f"round {'' if found is None else found}"
             except ConnectionError as e:
                 text = f"error {e}"  # the siblings fail at once with it, not one timeout each
-            with open(note + ".part", "w", encoding="utf-8") as f:
-                f.write(text)
-            os.replace(note + ".part", note)
+            with contextlib.suppress(OSError):  # without a note, each sibling reads for itself
+                with open(note + ".part", "w", encoding="utf-8") as f:
+                    f.write(text)
+                os.replace(note + ".part", note)
     finally:
         os.close(fd)
     kind, _, value = text.partition(" ")
