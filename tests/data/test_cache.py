@@ -577,3 +577,19 @@ def test_a_cached_epoch_holds_no_more_memory_per_process_than_an_in_memory_datas
     assert _over_budget(mem, _probe("cached", npy_samples)) == []
     leaky = _over_budget(mem, _probe("leaky", npy_samples))
     assert [line.split()[0] for line in leaky] == ["all", "private"], leaky
+
+
+def test_the_hit_paths_process_id_is_the_forked_childs_own() -> None:
+    # The hit path reads a kept process id instead of asking the kernel: a child holding its parent's would use the
+    # parent's mapping state (its lock's open file description, its claimed counter slot).
+    from ignite_ext.data.cache import _mapping
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover  (the child)
+        os.write(write, b"1" if os.getpid() == _mapping.PID else b"0")
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    assert os.read(read, 1) == b"1" and os.getpid() == _mapping.PID
+    os.close(read)

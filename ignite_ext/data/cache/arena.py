@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ignite_ext._fs import own_regular_file, pid_alive
-from ignite_ext.data.cache import _sigterm, restart, shm
+from ignite_ext.data.cache import _mapping, _sigterm, restart, shm
 from ignite_ext.data.cache._cow import PAGE, CowMap
 from ignite_ext.data.cache._follow import FollowSpace, space_bytes
 from ignite_ext.data.cache._mapping import (
@@ -471,7 +471,7 @@ class Arena:
 
     def _mapped(self) -> Local:
         local = self._local
-        if local is not None and local.pid == os.getpid():
+        if local is not None and local.pid == _mapping.PID:
             return local
         if local is None:
             local = open_local(self.path, self._origin)
@@ -781,15 +781,17 @@ class Arena:
             own = local.claimed[row] = self._claim(local, row, slot)
         base = (row * SLOTS_PER_ROW + own) * SLOT_WORDS
         words = local.stats
-        # In its own slot this process is the only writer: its threads need only exclude each other.
+        # In its own slot this process is the only writer: its threads need only exclude each other. A hit (the
+        # call of every cached read) touches its one word.
         with local.thread_lock if own != SHARED_SLOT else self._locked(local):
             words[base + HITS] += hits
-            words[base + MISSES] += misses
-            words[base + ENTRIES] += entries
-            words[base + BYTES] += nbytes
-            words[base + EVICTIONS] += evictions
-            words[base + EVICTED_BYTES] += evicted_bytes
-            words[base + LOADED_AHEAD] += loaded_ahead
+            if misses or entries or nbytes or evictions or evicted_bytes or loaded_ahead:
+                words[base + MISSES] += misses
+                words[base + ENTRIES] += entries
+                words[base + BYTES] += nbytes
+                words[base + EVICTIONS] += evictions
+                words[base + EVICTED_BYTES] += evicted_bytes
+                words[base + LOADED_AHEAD] += loaded_ahead
 
     def _claim(self, local: Local, row: int, slot: int) -> int:
         if not 0 <= slot < SHARED_SLOT:

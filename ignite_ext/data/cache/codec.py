@@ -194,7 +194,7 @@ class _Decoder:
             if nbytes == 0:
                 out = torch.empty(shape, dtype=dtype)
             else:
-                lent = self._lent(offset, nbytes)
+                lent = self._lent(offset, nbytes) if nbytes >= LENDABLE else None
                 if lent is not None:
                     out = torch.frombuffer(lent, dtype=dtype)  # the tensor holds the view: the range stays lent
                 else:  # one copy, into memory the tensor owns (a bytearray copies faster than Tensor.clone)
@@ -212,11 +212,11 @@ class _Decoder:
                 arr = np.frombuffer(self._bytes(offset, nbytes), dtype=dtype).copy()
             return arr if len(shape) == 1 else arr.reshape(shape)
         if tag == _LIST:
-            return [self.walk(x) for x in node[1]]
+            return list(map(self.walk, node[1]))
         if tag == _TUPLE:
-            return tuple(self.walk(x) for x in node[1])
+            return tuple(map(self.walk, node[1]))
         if tag == _DICT:
-            return dict(zip(node[1], (self.walk(v) for v in node[2]), strict=True))
+            return dict(zip(node[1], map(self.walk, node[2])))  # noqa: B905  (the encoder wrote both)
         return node[1](*(self.walk(x) for x in node[2]))  # _NAMED
 
 

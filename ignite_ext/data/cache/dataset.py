@@ -20,6 +20,7 @@ from typing import Any, Literal, Protocol
 
 from torch.utils.data import Dataset, get_worker_info
 
+from ignite_ext.data.cache import _mapping
 from ignite_ext.data.cache._ahead import LoadingAhead
 from ignite_ext.data.cache._fork_memory import share_inherited_heap
 from ignite_ext.data.cache._world import ignite_world
@@ -295,7 +296,7 @@ class CachedDataset(Dataset[Any]):
         return disk.capacity if disk is not None else 0
 
     def _count_slot(self) -> int:
-        pid = os.getpid()
+        pid = _mapping.PID
         if self._slot is None or self._slot[0] != pid:
             info = get_worker_info()
             self._slot = (pid, 0 if info is None else info.id + 1)
