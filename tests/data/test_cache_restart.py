@@ -61,7 +61,8 @@ def _attempt(base: CountingDataset, disk_dir: str, die_after: int | None, contex
     mp.current_process().daemon = False  # DataLoader workers are children of the (daemonic) rank
     ds = CachedDataset(base, scope="node", capacity_bytes=RAM_CAP, disk_dir=disk_dir, disk_bytes=DISK_CAP)
     sampler = ShardedDistributedSampler(ds, shard_by="node")
-    dl = DataLoader(ds, batch_size=4, sampler=sampler, num_workers=2, multiprocessing_context=context)
+    workers = 2 if context == "fork" else 1  # a spawned worker imports torch anew: seconds apiece here
+    dl = DataLoader(ds, batch_size=4, sampler=sampler, num_workers=workers, multiprocessing_context=context)
     idist.barrier()
     loads, start = sum(base.loads()), ds.stats(reduce="node")
     sampler.set_epoch(0)
