@@ -34,6 +34,12 @@ pytestmark = pytest.mark.distributed
 
 CONTEXTS = ["forkserver", "spawn"]
 
+
+def _here(env: dict[str, str]) -> dict[str, str]:
+    """``env`` for a script outside the repository that imports this checkout's package, however it is installed."""
+    return {**env, "PYTHONPATH": os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH", "")) if p)}
+
+
 # A DataLoader worker reports progress; the process that started it reads its board. "forkserver-preloaded": the
 # fork server imported the package before forking the worker (its own board, which the worker inherits).
 PROGRESS = """
@@ -64,8 +70,8 @@ if __name__ == "__main__":
 def test_progress_reported_in_a_worker_reaches_its_rank(tmp_path: Path, context: str) -> None:
     script = tmp_path / "reporting.py"
     script.write_text(textwrap.dedent(PROGRESS))
-    done = subprocess.run([sys.executable, str(script), context], cwd=ROOT, capture_output=True, text=True,
-                          timeout=STEP_TIMEOUT_S)  # fmt: skip
+    done = subprocess.run([sys.executable, str(script), context], cwd=ROOT, env=_here(dict(os.environ)),
+                          capture_output=True, text=True, timeout=STEP_TIMEOUT_S)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().startswith("decoding in a worker: 8 of 100 (8 %)"), done.stdout + done.stderr
 
@@ -169,7 +175,7 @@ def test_a_sigtermed_rank_with_spawned_workers_follows_the_cleanup_rule(tmp_path
     script.write_text(textwrap.dedent(RANK))
     disk_dir = tmp_path / "disk"
     disk_dir.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
+    env = _here({k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")})
     env.update(TORCHELASTIC_RUN_ID=f"term-{uuid.uuid4().hex}", TORCHELASTIC_RESTART_COUNT="0",
                TORCHELASTIC_MAX_RESTARTS="1" if restart_left else "0")  # fmt: skip
     proc = subprocess.Popen([sys.executable, str(script), str(disk_dir), "spawn"], cwd=ROOT, env=env,
