@@ -21,6 +21,7 @@ import torch.distributed
 
 from ignite_ext.distributed.store.incarnation import is_scoped, scoped
 from ignite_ext.distributed.store.keys import NAMESPACE_KEY, ROOT
+from ignite_ext.distributed.store.wire import read
 
 if TYPE_CHECKING:  # torch declares them in the stub of its extension, and exports them from torch.distributed
     from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
@@ -296,25 +297,14 @@ def timed_out(exc: BaseException, waited: float | None = None, asked: float | No
     return unformatted and waited is not None and asked is not None and waited >= 0.95 * asked
 
 
-# pybind's Store takes bytes wherever its stub says str: values here are bytes, so the casts live in these three.
-_ABSENT = "\x00"  # compare_set on a missing key with this expected value reads without writing
-
-
+# pybind's Store takes bytes wherever its stub says str: values here are bytes, so the casts live in these (and in
+# wire.read, which this module's users import from here).
 def put(store: Store, key: str, value: bytes) -> None:
     """Set ``key`` to ``value``.
 
     .. versionadded:: 0.2.0
     """
     store.set(key, value)  # type: ignore[arg-type]
-
-
-def read(store: Store, key: str) -> bytes | None:
-    """The value of ``key``, or None when it is not set (one request, and it never blocks).
-
-    .. versionadded:: 0.2.0
-    """
-    value = bytes(store.compare_set(key, _ABSENT, "-"))
-    return None if value == _ABSENT.encode() else value
 
 
 def check(store: Store, keys: list[str]) -> bool:

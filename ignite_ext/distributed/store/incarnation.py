@@ -46,6 +46,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from ignite_ext.distributed.store.keys import incarnation_prefix
+from ignite_ext.distributed.store.wire import read
 
 #: How torchrun appears in its agent's command line (``torchrun`` or ``python -m torch.distributed.run``).
 RUNNERS = ("torchrun", "torch.distributed.run")
@@ -120,8 +121,6 @@ def _rendezvous_round(run_id: str, endpoint: tuple[str, int]) -> int | None:
         ConnectionError: the rendezvous store did not answer. Falling back to no name would leave this rank out of
             the group its peers form under the round's name (a wait to the group's timeout), so it fails at once.
     """
-    from ignite_ext.distributed.store.clients import read  # clients scopes its stores with this module
-
     key = f"torch.rendezvous.{run_id}"  # torch's C10dRendezvousBackend's key; read, never written
     try:
         store = TCPStore(*endpoint, is_master=False, timeout=READ_TIMEOUT, wait_for_workers=False)

@@ -30,8 +30,9 @@ import contextlib
 import socket
 import struct
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
-__all__ = ["FLAVOURS", "MAGIC", "Opcodes", "WireStore", "connect_proven", "flavour_for", "prove"]
+__all__ = ["FLAVOURS", "MAGIC", "Opcodes", "WireStore", "connect_proven", "flavour_for", "prove", "read"]
 
 #: The number a ``validated`` connection starts with (``validationMagicNumber`` in torch's TCPStore.cpp).
 MAGIC = 0x3C85F7CE
@@ -184,7 +185,25 @@ class _Torch:
     delete_key: Callable[[str], bool]
 
 
-def _torch_read(client: _Torch, key: str) -> bytes | None:
+class _ComparesAndSets(Protocol):
+    def compare_set(self, key: str, expected: str, desired: str, /) -> bytes: ...
+
+
+def read(client: _ComparesAndSets, key: str) -> bytes | None:
+    """The value of ``key`` in a torch store, or None when it is not set (one request, and it never blocks).
+
+    A ``compare_set`` whose expected value no key holds: it writes nothing and answers the value (torch 2.1's stores
+    have no ``check``).
+
+    Examples:
+        >>> import torch.distributed as dist
+        >>> from ignite_ext.distributed.store.wire import read
+        >>> store = dist.HashStore(); store.set("a", "1")
+        >>> read(store, "a"), read(store, "b")
+        (b'1', None)
+
+    .. versionadded:: 0.2.0
+    """
     value = bytes(client.compare_set(key, _ABSENT.decode(), "-"))
     return None if value == _ABSENT else value
 
@@ -197,17 +216,17 @@ def _prove_one(wire: WireStore, client: _Torch, probe: str) -> str | None:
     # A set has no answer: a request with one on the same connection is what orders it before the other's read.
     wire.set(f"{probe}/s", b"set")
     wire.read(f"{probe}/s")
-    if _torch_read(client, f"{probe}/s") != b"set":
+    if read(client, f"{probe}/s") != b"set":
         return "SET"
     client.set(f"{probe}/g", "get")
-    _torch_read(client, f"{probe}/g")
+    read(client, f"{probe}/g")
     if not wire.check([f"{probe}/s", f"{probe}/g"]) or wire.check([f"{probe}/s", f"{probe}/missing"]):
         return "CHECK"
     if wire.get(f"{probe}/g") != b"get":
         return "GET"
     if wire.add(f"{probe}/a", 2) != 2 or int(client.add(f"{probe}/a", 1)) != 3 or wire.add(f"{probe}/a", 0) != 3:
         return "ADD"
-    if wire.compare_set(f"{probe}/c", b"", b"cs") != b"cs" or _torch_read(client, f"{probe}/c") != b"cs":
+    if wire.compare_set(f"{probe}/c", b"", b"cs") != b"cs" or read(client, f"{probe}/c") != b"cs":
         return "COMPARE_SET"
     wire.wait([f"{probe}/s", f"{probe}/g"])
     return None
