@@ -203,6 +203,8 @@ def read(client: _ComparesAndSets, key: str) -> bytes | None:
         (b'1', None)
 
     .. versionadded:: 0.2.0
+    .. versionchanged:: 0.5.0
+        Here, the one copy (it was ``clients.read``, where it is still importable from).
     """
     value = bytes(client.compare_set(key, _ABSENT.decode(), "-"))
     return None if value == _ABSENT else value
