@@ -21,12 +21,15 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 TRIES = 2  # of a control whose group may not re-form: each failed try waits out its 10 s group timeout
+CONTROL_WAIT_S = 60.0  # a control's try that re-forms ends in 10-20 s here; one that hangs is a try that failed
+KILLED = "[test] killed: the job had not ended"
 BLOCK_BOUND_S = 15.0  # a first block costs 0.1-0.2 s here; the failure it guards against is a wait for ever
 
 SCRIPT = textwrap.dedent(
@@ -73,8 +76,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run(tmp_path: Path, name: str, args: list[str], agents: int, fails: int) -> str:
-    """One job under torchrun (``agents`` agents of ``2 // agents`` ranks each), its log once every agent ended."""
+def _run(tmp_path: Path, name: str, args: list[str], agents: int, fails: int, wait_s: float | None = None) -> str:
+    """One job under torchrun (``agents`` agents of ``2 // agents`` ranks each), its log once every agent ended.
+
+    An agent still running after ``wait_s`` (by default 120 s and 40 per failure) is killed, and the log ends with
+    :data:`KILLED`.
+    """
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "LOGLEVEL": "WARNING",
@@ -90,16 +97,18 @@ def _run(tmp_path: Path, name: str, args: list[str], agents: int, fails: int) ->
     with out.open("w") as f:
         procs = [subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                   start_new_session=True) for _ in range(agents)]  # fmt: skip
+        ends, killed = time.monotonic() + (120 + 40 * fails if wait_s is None else wait_s), False
         try:
             for proc in procs:
                 with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout=120 + 40 * fails)
+                    proc.wait(timeout=max(0.0, ends - time.monotonic()))
         finally:
             for proc in procs:
                 if proc.poll() is None:
                     os.killpg(proc.pid, signal.SIGKILL)
+                    killed = True
                     proc.wait()
-    return out.read_text()
+    return out.read_text() + (f"\n{KILLED}\n" if killed else "")
 
 
 def _said(log: str, attempt: int, what: str) -> list[str]:
@@ -138,7 +147,10 @@ def test_a_group_formed_without_the_packages_rendezvous(tmp_path: Path, module: 
     # however the group was formed.
     retried = []
     for attempt in range(TRIES):
-        log = _run(tmp_path, f"try{attempt}", [module, "raise", "1", when], 1, 1)
+        log = _run(tmp_path, f"try{attempt}", [module, "raise", "1", when], 1, 1, wait_s=CONTROL_WAIT_S)
+        if KILLED in log:
+            retried.append(f"try {attempt}: no end within {CONTROL_WAIT_S:.0f} s")
+            continue
         if sorted(_said(log, 1, "group formed")) == ["0", "1"]:
             _assert_every_attempt_ran(log, 1)
             return
