@@ -24,6 +24,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -105,7 +106,12 @@ def _run(tmp_path: Path, name: str, args: list[str], agents: int, fails: int, wa
         finally:
             for proc in procs:
                 if proc.poll() is None:
+                    # Its workers are in sessions of their own (torch starts them so): the whole tree goes.
+                    family = psutil.Process(proc.pid).children(recursive=True)
                     os.killpg(proc.pid, signal.SIGKILL)
+                    for member in family:
+                        with contextlib.suppress(psutil.Error):
+                            member.kill()
                     killed = True
                     proc.wait()
     return out.read_text() + (f"\n{KILLED}\n" if killed else "")
