@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import ignite.distributed as idist
-import psutil
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -117,13 +116,17 @@ def test_the_node_cache_is_one_for_the_workers_of_every_rank(world: World, conte
 
 
 def _reap_holders(directory: Path) -> list[int]:
-    """SIGKILL every process that holds a file under ``directory`` open; their pids."""
+    """SIGKILL every process that holds a file under ``directory`` open, deleted ones too; their pids."""
     reaped = []
-    for proc in psutil.process_iter():
-        with contextlib.suppress(psutil.Error):
-            if proc.pid != os.getpid() and any(f.path.startswith(str(directory)) for f in proc.open_files()):
-                proc.kill()
-                reaped.append(proc.pid)
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        with contextlib.suppress(OSError):
+            fds = os.listdir(f"/proc/{entry}/fd")
+            if any(os.readlink(f"/proc/{entry}/fd/{fd}").startswith(str(directory)) for fd in fds):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(entry), signal.SIGKILL)
+                reaped.append(int(entry))
     return reaped
 
 
