@@ -302,11 +302,8 @@ def test_a_cache_without_room_for_the_bookkeeping_does_not_follow_and_evicts_not
         ds.close()
 
 
-def _train_mixing(base: CountingDataset, shard_by: str, mix: float, epochs: int) -> list[tuple[int, int, int]]:
-    mp.current_process().daemon = False
-    ds = CachedDataset(base, scope="node", capacity_bytes=8 << 20)  # type: ignore[arg-type]
-    sampler = ShardedDistributedSampler(ds, shard_by=shard_by, seed=5, mix=mix)  # type: ignore[arg-type]
-    loader = DataLoader(ds, batch_size=4, sampler=sampler, num_workers=1, multiprocessing_context="fork")
+def node_epochs(ds: CachedDataset, sampler: Any, loader: DataLoader[Any], epochs: int) -> list[tuple[Any, Any]]:
+    """Each epoch read by this rank (every sample checked): the node's stats over that epoch, and after it."""
     rows, before = [], ds.stats(reduce="node")
     for e in range(epochs):
         sampler.set_epoch(e)
@@ -314,9 +311,18 @@ def _train_mixing(base: CountingDataset, shard_by: str, mix: float, epochs: int)
             assert torch.equal(batch["x"][:, 0], batch["i"].float())
         idist.barrier()  # the node's loads are published before its ranks count
         now = ds.stats(reduce="node")
-        rows.append(((now - before).hits, (now - before).misses, now.entries - now.evictions))
+        rows.append((now - before, now))
         before = now
-        idist.barrier()
+        idist.barrier()  # every rank counted before any starts the next epoch (and follows its shard)
+    return rows
+
+
+def _train_mixing(base: CountingDataset, shard_by: str, mix: float, epochs: int) -> list[tuple[int, int, int]]:
+    mp.current_process().daemon = False
+    ds = CachedDataset(base, scope="node", capacity_bytes=8 << 20)  # type: ignore[arg-type]
+    sampler = ShardedDistributedSampler(ds, shard_by=shard_by, seed=5, mix=mix)  # type: ignore[arg-type]
+    loader = DataLoader(ds, batch_size=4, sampler=sampler, num_workers=1, multiprocessing_context="fork")
+    rows = [(d.hits, d.misses, n.entries - n.evictions) for d, n in node_epochs(ds, sampler, loader, epochs)]
     ds.close()
     return rows
 

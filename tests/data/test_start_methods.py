@@ -29,6 +29,7 @@ from ignite_ext.data.sampler.mixing import mixed_shards
 from tests._world import World
 from tests.data.test_cache import ROOT, CountingDataset, fingerprint_loads
 from tests.data.test_cache_disk import _arenas
+from tests.data.test_cache_follow import node_epochs
 from tests.data.test_cache_users import STEP_TIMEOUT_S, _first_line
 
 pytestmark = pytest.mark.distributed
@@ -84,15 +85,8 @@ def _node_cache_through(context: str, base: CountingDataset, epochs: int) -> dic
     sampler = torch.utils.data.DistributedSampler(ds, shuffle=True, seed=0)
     loader = DataLoader(ds, batch_size=4, sampler=sampler, num_workers=2, multiprocessing_context=context,
                         persistent_workers=True)  # fmt: skip
-    rows, before = [], ds.stats(reduce="node")
-    for e in range(epochs):
-        sampler.set_epoch(e)
-        for batch in loader:
-            assert torch.equal(batch["x"][:, 0], batch["i"].float())
-        idist.barrier()  # the node's loads are published before its ranks count
-        now = ds.stats(reduce="node")
-        rows.append(((now - before).hits, (now - before).misses))
-        before = now
+    read = node_epochs(ds, sampler, loader, epochs)
+    rows, now = [(d.hits, d.misses) for d, _ in read], read[-1][1]
     segment = ds.segment
     del loader  # the workers end; they must not have deleted the node's cache
     idist.barrier()
