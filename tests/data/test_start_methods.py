@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,10 @@ from tests.data.test_cache_users import STEP_TIMEOUT_S, _first_line
 pytestmark = pytest.mark.distributed
 
 CONTEXTS = ["forkserver", "spawn"]
+
+#: torch's workers check their parent every 5 s (``MP_STATUS_CHECK_INTERVAL``); a worker's start under load (a torch
+#: import) has taken over 10 s here: an orphan is one alive after a dozen checks.
+ORPHAN_BOUND_S = 12 * 5.0
 
 
 def _here(env: dict[str, str]) -> dict[str, str]:
@@ -109,19 +114,17 @@ def test_the_node_cache_is_one_for_the_workers_of_every_rank(world: World, conte
         assert r["kept"] and r["gone"] and r["entries"] == n, r
 
 
-def _reap_holders(directory: Path) -> list[int]:
-    """SIGKILL every process that holds a file under ``directory`` open, deleted ones too; their pids."""
-    reaped = []
+def _holders(directory: Path) -> list[int]:
+    """The pids of the processes that hold a file under ``directory`` open, deleted ones too."""
+    held = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
             continue
         with contextlib.suppress(OSError):
             fds = os.listdir(f"/proc/{entry}/fd")
             if any(os.readlink(f"/proc/{entry}/fd/{fd}").startswith(str(directory)) for fd in fds):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(int(entry), signal.SIGKILL)
-                reaped.append(int(entry))
-    return reaped
+                held.append(int(entry))
+    return held
 
 
 def test_a_warm_restart_with_spawned_workers_reads_nothing_from_storage(world: World, tmp_path: Path) -> None:
@@ -131,10 +134,16 @@ def test_a_warm_restart_with_spawned_workers_reads_nothing_from_storage(world: W
         test_cache_restart.test_a_restarted_worker_group_reads_nothing_from_storage_in_its_first_epoch(
             world, tmp_path, context="spawn"
         )
+        # The first attempt's workers end with their SIGKILLed ranks (one was once seen alive 15 minutes on, holding
+        # the deleted disk tier: a rank killed while its worker started).
+        deadline = time.monotonic() + ORPHAN_BOUND_S
+        while _holders(tmp_path) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert _holders(tmp_path) == []
     finally:
-        # A spawned worker of the SIGKILLed first attempt was once seen alive 15 minutes on (its rank gone): the
-        # test reaps whatever still holds its files.
-        _reap_holders(tmp_path)
+        for pid in _holders(tmp_path):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_loading_ahead_serves_spawned_workers() -> None:
@@ -217,3 +226,55 @@ def test_a_sigtermed_rank_with_spawned_workers_follows_the_cleanup_rule(tmp_path
                 os.unlink(lock)
     else:
         assert left == [] and _arenas(disk_dir) == [], (left, out + err)
+
+
+# A rank SIGKILLed while its worker is still starting (unpickling the dataset: made slow here, as a torch import under
+# load is; a spawned worker's loop then begins with init or a subreaper as its parent, which torch's watch takes for
+# the rank), or once its worker serves (a forkserver worker's parent is the fork server, which the worker itself
+# keeps alive: torch's watch never sees the rank die).
+RANK_DIES = """
+import os, signal, sys, time
+from torch.utils.data import DataLoader
+from ignite_ext.data import CachedDataset
+
+class SlowToUnpickle:
+    def __len__(self):
+        return 8
+    def __getitem__(self, i):
+        return bytes([65 + i]) * 100
+    def __setstate__(self, state):
+        time.sleep(2)
+        self.__dict__.update(state)
+
+if __name__ == "__main__":
+    ds = CachedDataset(SlowToUnpickle(), capacity_bytes=1 << 16)
+    ds[0]
+    it = iter(DataLoader(ds, batch_size=None, num_workers=1, multiprocessing_context=sys.argv[1]))
+    if sys.argv[2] == "serving":
+        assert next(it) == b"A" * 100
+    print(*(w.pid for w in it._workers), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.parametrize("phase", ["starting", "serving"])
+@pytest.mark.parametrize("context", CONTEXTS)
+def test_a_worker_whose_rank_was_killed_ends(tmp_path: Path, context: str, phase: str) -> None:
+    import psutil
+
+    script = tmp_path / "rank.py"
+    script.write_text(textwrap.dedent(RANK_DIES))
+    out, err = tmp_path / "out", tmp_path / "err"
+    with out.open("w") as stdout, err.open("w") as stderr:  # files: a live worker would hold the rank's pipes open
+        proc = subprocess.run([sys.executable, str(script), context, phase], cwd=ROOT, env=_here(dict(os.environ)),
+                              stdout=stdout, stderr=stderr, timeout=STEP_TIMEOUT_S)  # fmt: skip
+    assert proc.returncode == -signal.SIGKILL, out.read_text() + err.read_text()
+    workers = [psutil.Process(int(pid)) for pid in out.read_text().split()]
+    assert len(workers) == 1
+    try:
+        _, alive = psutil.wait_procs(workers, timeout=ORPHAN_BOUND_S)
+        assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], "the worker outlived its rank"
+    finally:
+        for p in workers:
+            with contextlib.suppress(psutil.Error):
+                p.kill()

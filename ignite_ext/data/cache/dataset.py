@@ -20,7 +20,7 @@ from typing import Any, Literal, Protocol
 
 from torch.utils.data import Dataset, get_worker_info
 
-from ignite_ext.data.cache import _mapping
+from ignite_ext.data.cache import _mapping, _orphans
 from ignite_ext.data.cache._ahead import LoadingAhead
 from ignite_ext.data.cache._fork_memory import share_inherited_heap
 from ignite_ext.data.cache._world import ignite_world
@@ -250,7 +250,12 @@ class CachedDataset(Dataset[Any]):
         state = self.__dict__.copy()
         state["_slot"] = None
         state["_loading"] = None
+        state["_rank"] = _orphans.owner()
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        _orphans.watch(state.pop("_rank", None))
+        self.__dict__.update(state)
 
     def __len__(self) -> int:
         return self._len
