@@ -29,7 +29,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 TRIES = 1  # of a control whose group may not re-form (a failed try costs ~30 s of a CI kept under 30 min)
-CONTROL_WAIT_S = 60.0  # a control's try that re-forms ends in 10-20 s here; one that hangs is a try that failed
+# A control's try that re-forms ends in 10-20 s here (two formations of a group whose timeout is 10 s, and the
+# agent's restart between): four group timeouts; one that runs longer hangs, and is a try that failed.
+CONTROL_WAIT_S = 40.0
 KILLED = "[test] killed: the job had not ended"
 BLOCK_BOUND_S = 15.0  # a first block costs 0.1-0.2 s here; the failure it guards against is a wait for ever
 
