@@ -137,6 +137,7 @@ class Scenario:
     follow_first: bool  # whether the arena follows before the actors start
     stored: tuple[int, ...]  # indices stored before they start
     actors: tuple[tuple[str, str, Any], ...]
+    preemptions: int = PREEMPTIONS  # the bound its exploration runs at (two actors afford a higher one)
 
 
 SCENARIOS = {
@@ -150,35 +151,65 @@ SCENARIOS = {
     ),
     # Two writers of one index and a reader of it, in an arena that does not follow.
     "two-writers": Scenario(False, (), (("writer", "store", 1), ("writer2", "store", 1), ("reader", "read", 1))),
+    # A reader of an arena that another process makes follow, stores into, evicts from and stores into again.
+    "read-across-first-follow": Scenario(
+        False,
+        (),
+        (
+            ("reader", "read", 1),
+            ("loader", "then", (("follow", (0, 1, 2)), ("store", 1), ("follow", (2,)), ("store", 2))),
+        ),
+        preemptions=3,  # the reader's view must outlive a follow, a store and an eviction: three switches
+    ),
     # Two writers of different samples and an evictor, in a following arena: free ranges carved and recounted.
     "write-while-evict": Scenario(
         True, (0, 1), (("writer", "store", 2), ("evictor", "follow", (2,)), ("writer2", "store", 0))
     ),
 }
 
-# The orderings the 0.4.0 review found (each could hand a reader another sample's bytes), put back: the exploration
-# must fail with either. (method, how, the line it starts at, the other line (swap) or the lines dropped (drop)).
-MUTATIONS: dict[str, tuple[str, str, str, Any]] = {
+# Orderings that handed a reader another sample's bytes, put back: the exploration must find each. The two of the
+# 0.4.0 review, and the one the exploration itself found in 0.5.0. Each: (method, how, its arguments), line counts
+# kept (the tracer knows steps by line): "swap" two lines, "drop" lines (made ``pass``), "replace" parts of lines.
+MUTATIONS: dict[str, tuple[str, str, Any]] = {
     # The era bumped before the evicted entries are marked empty.
-    "era-before-evict": ("follow", "swap", "table[gone, 0] = EMPTY", "header[H_ERA] += 1"),
+    "era-before-evict": ("follow", "swap", ("table[gone, 0] = EMPTY", "header[H_ERA] += 1")),
     # A reserve that checked "not following" without the lock, and not again under it.
-    "reserve-without-recheck": ("reserve", "drop", "if header[H_FOLLOW]:  # another process made it follow", 2),
-}
+    "reserve-without-recheck": ("reserve", "drop", ("if header[H_FOLLOW]:  # another process made it follow", 2)),
+    # A lookup that asks whether the arena follows before it reads the entry, not after.
+    "follow-asked-first": (
+        "lookup",
+        "replace",
+        (
+            (
+                "table, header = local.table, local.header",
+                "table, header, was = local.table, local.header, local.header[H_FOLLOW]",
+            ),
+            ("if not header[H_FOLLOW]:", "if not was:"),
+        ),
+    ),
+}  # fmt: skip
 
 
 def mutate(arena_module: types.ModuleType, name: str) -> None:
     """Replace an ``Arena`` method by its mutated source, compiled at its own file and lines (so still traced)."""
-    function, how, first, other = MUTATIONS[name]
+    function, how, edit = MUTATIONS[name]
     lines, start = inspect.getsourcelines(getattr(arena_module.Arena, function))
-    at = [i for i, line in enumerate(lines) if first in line]
-    assert len(at) == 1, f"the mutation {name} no longer applies: the code changed"
+
+    def at(text: str) -> int:
+        found = [i for i, line in enumerate(lines) if text in line]
+        assert len(found) == 1, f"the mutation {name} no longer applies: the code changed"
+        return found[0]
+
     if how == "swap":
-        to = [i for i, line in enumerate(lines) if other in line]
-        assert len(to) == 1, f"the mutation {name} no longer applies: the code changed"
-        lines[at[0]], lines[to[0]] = lines[to[0]], lines[at[0]]
+        first, second = at(edit[0]), at(edit[1])
+        lines[first], lines[second] = lines[second], lines[first]
+    elif how == "drop":
+        first = at(edit[0])
+        indent = lines[first][: len(lines[first]) - len(lines[first].lstrip())]
+        lines[first : first + edit[1]] = [indent + "pass\n"] * edit[1]
     else:
-        indent = lines[at[0]][: len(lines[at[0]]) - len(lines[at[0]].lstrip())]
-        lines[at[0] : at[0] + other] = [indent + "pass\n"] * other
+        for old, new in edit:
+            lines[at(old)] = lines[at(old)].replace(old, new)
     source = "\n" * (start - 1) + textwrap.dedent("".join(lines))
     flags = annotations.compiler_flag  # the feature this module imports: the source compiled as the module is
     code = compile(source, str(arena_module.__file__), "exec", flags=flags, dont_inherit=True)
@@ -292,8 +323,10 @@ def _serve(conn: Connection, m: types.ModuleType, path: str, steps: dict) -> Non
                 result: Any = read(arena, arg, point)
             elif kind == "store":
                 result = store(arena, arg, point)
-            else:
+            elif kind == "follow":
                 result = tuple(arena.follow(list(arg)))
+            else:  # "then": a sequence of (kind, arg), one process doing them in turn
+                result = [store(arena, a, point) if k == "store" else tuple(arena.follow(list(a))) for k, a in arg]
             sys.settrace(None)
             problem = check(arena, m, state["others"]) if state["dirty"] else None
             conn.send(("violation", state["taken"], problem) if problem else ("done", state["taken"], result))

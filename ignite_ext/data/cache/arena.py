@@ -517,13 +517,15 @@ class Arena:
         """
         local = self._mapped()
         base = index * ENTRY_WORDS
-        table = local.table
-        if not local.header[H_FOLLOW]:
-            if table[base] != READY:
-                return None
-            offset, length = table[base + 1], table[base + 2]
+        table, header = local.table, local.header
+        if table[base] != READY:
+            return None
+        offset, length = table[base + 1], table[base + 2]
+        # Asked after the entry is read: not following then, no eviction ever happened, and the entry was stored
+        # where nothing is ever reused (asked before, the arena could start following, evict the entry and reuse its
+        # range for another sample under the view returned).
+        if not header[H_FOLLOW]:
             return local.data[offset : offset + length]
-        header = local.header
         for _ in range(3):  # an eviction during the copy: look again (the entry may be gone, or elsewhere)
             era = header[H_ERA]
             if table[base] != READY:
@@ -594,9 +596,13 @@ class Arena:
                 if not local.cow_opened:
                     local.cow = CowMap.open(local.arena_fd)
                     local.cow_opened = True
-        if local.cow is None or local.header[H_FOLLOW] or local.table[index * ENTRY_WORDS] != READY:
-            return None  # a following arena's ranges may be reused: nothing is lent
-        return local.cow.lend(local.header[H_DATA] + local.table[index * ENTRY_WORDS + 1] + start, nbytes)
+        base = index * ENTRY_WORDS
+        if local.cow is None or local.table[base] != READY:
+            return None
+        offset = local.table[base + 1]
+        if local.header[H_FOLLOW]:  # asked after the entry is read, as in lookup(): a range that may be reused
+            return None
+        return local.cow.lend(local.header[H_DATA] + offset + start, nbytes)
 
     def _space(self, local: Local) -> FollowSpace | None:
         """The bookkeeping of a following arena (see :mod:`~ignite_ext.data.cache._follow`), or None."""
