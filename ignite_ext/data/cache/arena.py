@@ -336,7 +336,7 @@ class Arena:
                     warnings.warn(
                         f"the persisted cache {path} was not used: {problem}; it is rebuilt",
                         persist.StaleCacheWarning,
-                        stacklevel=4,
+                        stacklevel=7,  # the user's construction of the cache (see tiers.open_tiers)
                     )
                     remove_files([path, stem + ".lock"])
             adopted = opened is not None
@@ -413,7 +413,7 @@ class Arena:
                 warnings.warn(
                     f"the cache left by the attempt before in {directory} was not adopted: {problem}; it starts empty",
                     RuntimeWarning,
-                    stacklevel=4,
+                    stacklevel=7,  # the user's construction of the cache (see tiers.open_tiers)
                 )
                 self.close()
                 return None

@@ -31,7 +31,7 @@ import random
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from ignite_ext.data.cache._mapping import ALIGN
 from ignite_ext.data.cache.arena import Arena
@@ -41,7 +41,19 @@ from ignite_ext.data.cache.identity import checked_name, construction_site, fing
 from ignite_ext.data.cache.persist import StaleCacheWarning, persist_key, stale_sample
 from ignite_ext.data.cache.restart import NO_JOB, cache_key, job_key
 
-__all__ = ["DiskOption", "Tiers", "checker", "create_tiers", "disk_option", "node_tiers", "persisted_as"]
+__all__ = [
+    "DiskOption",
+    "DiskTier",
+    "RamTier",
+    "Tier",
+    "Tiers",
+    "checker",
+    "create_tiers",
+    "disk_option",
+    "node_tiers",
+    "open_tiers",
+    "persisted_as",
+]
 
 
 @dataclass(frozen=True)
@@ -102,10 +114,100 @@ def disk_option(
     return DiskOption(check_disk_dir(disk_dir), disk_bytes, persist, version)
 
 
-class Tiers:
-    """The arenas of one cache, fastest first: RAM, then the disk tier if there is one.
+class Tier(Protocol):
+    """A kind of tier: where its file lives and by what rules it is made; one implementation per kind of storage.
 
-    With ``persisted``, new samples go to the disk tier only (it outlives the job, the RAM tier does not). It
+    What it opens is an :class:`~ignite_ext.data.cache.arena.Arena` (the store every tier shares: the sample table,
+    the space, the counters), so :class:`Tiers` composes any number of them, fastest first, without knowing their
+    kinds. :class:`RamTier` and :class:`DiskTier` are the package's.
+
+    .. versionadded:: 0.5.0
+    """
+
+    @property
+    def persistent(self) -> bool:
+        """Whether the tier outlives the job (then it takes every new sample, and the tiers that do not take none)."""
+        ...
+
+    def open(self, n: int, rows: int, share: int, job: int, identity: tuple[object, ...]) -> Arena:
+        """This process's tier of a cache of ``n`` samples, for ``rows`` ranks: made, or adopted.
+
+        ``share``: the caches made together that split a default capacity; ``job`` and ``identity``: what a restarted
+        worker group's tier is adopted by (:mod:`~ignite_ext.data.cache.restart`; ``NO_JOB`` adopts nothing).
+        """
+        ...
+
+
+@dataclass(frozen=True)
+class RamTier:
+    """The RAM tier: an arena in ``/dev/shm`` of ``capacity`` bytes (``None``: a share of the free space).
+
+    .. versionadded:: 0.5.0
+    """
+
+    capacity: int | None
+
+    @property
+    def persistent(self) -> bool:
+        """Never: RAM dies with the job."""
+        return False
+
+    def open(self, n: int, rows: int, share: int, job: int, identity: tuple[object, ...]) -> Arena:
+        """See :meth:`Tier.open`."""
+        return Arena.create(n, self.capacity, rows=rows, share=share, job=job, key=cache_key(*identity, "ram"))
+
+
+@dataclass(frozen=True)
+class DiskTier:
+    """A disk tier: an arena in ``option.directory`` (see :class:`DiskOption`), kept across jobs if it persists.
+
+    A persisted one is keyed by ``persisted`` (what names the data, with the option's ``version``) and checked with
+    ``stale`` when it was there already (:mod:`~ignite_ext.data.cache.persist`).
+
+    .. versionadded:: 0.5.0
+    """
+
+    option: DiskOption
+    persisted: tuple[object, ...] = ()
+    stale: Callable[[Arena], int | None] | None = None
+
+    @property
+    def persistent(self) -> bool:
+        """Whether the option asks for it (``persist=True``)."""
+        return self.option.persist
+
+    def open(self, n: int, rows: int, share: int, job: int, identity: tuple[object, ...]) -> Arena:
+        """See :meth:`Tier.open`."""
+        disk = self.option
+        network = network_filesystem(disk.directory)
+        if disk.persist:
+            return _persisted(n, rows, disk, network, (*self.persisted, disk.version), self.stale)
+        if network is not None:
+            warnings.warn(
+                f"disk_dir={disk.directory!r} is on a {network} filesystem, which other hosts mount: the disk tier "
+                "should be on this node's own disk (reading it costs network traffic, and its stale files can "
+                "only be swept on a local disk, so they are left there). Pass a node-local directory.",
+                NetworkFilesystemWarning,
+                stacklevel=5,
+            )
+        return Arena.create(
+            n,
+            disk.nbytes,
+            rows=rows,
+            directory=disk.directory,
+            share=share,
+            knob="disk_bytes",
+            advice=f"free space in {disk.directory}",
+            sweep=network is None,
+            job=job,
+            key=cache_key(*identity, "disk", disk.directory),
+        )
+
+
+class Tiers:
+    """The arenas of one cache, fastest first: RAM, then each further tier (a disk tier, if there is one).
+
+    With ``persisted``, new samples go to the tiers after the first only (they outlive the job, RAM does not). It
     pickles as its arenas, that is as their paths (see :class:`~ignite_ext.data.cache.arena.Arena`).
 
     Examples:
@@ -123,12 +225,14 @@ class Tiers:
         >>> shutil.rmtree(directory)
 
     .. versionadded:: 0.2.0
+    .. versionchanged:: 0.5.0
+       Any number of tiers.
     """
 
     def __init__(self, arenas: Sequence[Arena], persisted: bool = False) -> None:
         self.arenas = tuple(arenas)
         self.persisted = persisted
-        # A persisted disk tier takes every new sample: the RAM tier, which dies with the job, takes none.
+        # A persisted tier takes every new sample: the RAM tier, which dies with the job, takes none.
         self._stored_in = self.arenas[1:] if persisted else self.arenas
 
     @property
@@ -138,7 +242,7 @@ class Tiers:
 
     @property
     def disk(self) -> Arena | None:
-        """The disk tier, or None."""
+        """The first disk tier, or None."""
         return self.arenas[1] if len(self.arenas) > 1 else None
 
     def holds(self, index: int) -> bool:
@@ -205,29 +309,45 @@ class Tiers:
             stored.count(row, slot, entries=1, nbytes=nbytes)
 
     def totals(self, row: int) -> tuple[int, ...]:
-        """:class:`~ignite_ext.data.cache.stats.CacheStats`' fields, in order, of ``row`` (a rank)."""
-        hits, misses, entries, nbytes, evictions, evicted, ahead = self.ram.totals(row)
-        disk = self.disk
-        disk_hits, _, disk_entries, disk_bytes, disk_evictions, disk_evicted, _ = (
-            disk.totals(row) if disk is not None else (0,) * 7
-        )
-        return (
-            hits + disk_hits,
-            misses,
-            entries + disk_entries,
-            nbytes + disk_bytes,
-            disk_hits,
-            disk_entries,
-            disk_bytes,
-            evictions + disk_evictions,
-            evicted + disk_evicted,
-            ahead,
-        )
+        """:class:`~ignite_ext.data.cache.stats.CacheStats`' fields, in order, of ``row`` (a rank).
+
+        The ``disk_`` fields add up every tier after the first; misses and loads ahead are counted in the first.
+        """
+        rows = [arena.totals(row) for arena in self.arenas]
+        every = [sum(column) for column in zip(*rows, strict=True)]
+        further = [sum(column) for column in zip(*rows[1:], strict=True)] if len(rows) > 1 else [0] * 7
+        hits, _, entries, nbytes, evictions, evicted, _ = every
+        return (hits, rows[0][1], entries, nbytes, further[0], further[2], further[3], evictions, evicted, rows[0][6])
 
     def close(self) -> None:
         """Close every tier (see :meth:`Arena.close <ignite_ext.data.cache.arena.Arena.close>`)."""
         for arena in self.arenas:
             arena.close()
+
+
+def open_tiers(
+    n: int, kinds: Sequence[Tier], rows: int = 1, share: int = 1, identity: tuple[object, ...] | None = None
+) -> Tiers:
+    """Open the tiers ``kinds`` of a cache of ``n`` samples, fastest first, owned by this process.
+
+    With ``identity`` (what tells this cache from the job's others), each tier adopts the arena the attempt before of
+    a restarted worker group left of the same cache, if any (:mod:`~ignite_ext.data.cache.restart`).
+
+    Raises:
+        ShmSpaceError: a tier does not fit its directory (then no file is left).
+
+    .. versionadded:: 0.5.0
+    """
+    job = job_key() if identity is not None else NO_JOB
+    opened: list[Arena] = []
+    try:
+        for kind in kinds:
+            opened.append(kind.open(n, rows, share, job, identity or ()))
+    except BaseException:
+        for arena in opened:
+            arena.close()
+        raise
+    return Tiers(opened, persisted=any(kind.persistent for kind in kinds))
 
 
 def create_tiers(
@@ -240,16 +360,14 @@ def create_tiers(
     persisted: tuple[object, ...] = (),
     stale: Callable[[Arena], int | None] | None = None,
 ) -> Tiers:
-    """Create the RAM arena and, with ``disk``, the disk arena of a cache of ``n`` samples, owned by this process.
+    """The RAM tier and, with ``disk``, a disk tier of a cache of ``n`` samples (:func:`open_tiers`).
 
     ``rows`` and ``share`` are those of :meth:`Arena.create <ignite_ext.data.cache.arena.Arena.create>`. A disk
     directory on a network filesystem gets a :class:`~ignite_ext.data.cache.disk.NetworkFilesystemWarning` and
-    is not swept. With ``identity`` (what tells this cache from the job's others), each tier adopts the arena
-    the attempt before of a restarted worker group left of the same cache, if any
-    (:mod:`~ignite_ext.data.cache.restart`). With ``disk.persist``, the disk tier is the persisted cache of that
-    ``persisted`` (with the disk option's ``version``: :mod:`~ignite_ext.data.cache.persist`) and holds every sample
-    (the RAM tier none); when it was there already, ``stale(arena)`` names a sample that differs from the dataset's
-    (or None), and a stale one is rebuilt.
+    is not swept. With ``disk.persist``, the disk tier is the persisted cache of that ``persisted`` (with the disk
+    option's ``version``: :mod:`~ignite_ext.data.cache.persist`) and holds every sample (the RAM tier none); when it
+    was there already, ``stale(arena)`` names a sample that differs from the dataset's (or None), and a stale one
+    is rebuilt.
 
     .. versionchanged:: 0.3.0
        ``identity``, ``persisted`` and ``stale``.
@@ -259,41 +377,12 @@ def create_tiers(
 
     .. versionadded:: 0.2.0
     """
-    job = job_key() if identity is not None else NO_JOB
-    stamp = identity or ()
     if disk is not None and disk.persist:
         capacity = ALIGN  # the smallest: every sample goes to the persisted tier
-    ram = Arena.create(n, capacity, rows=rows, share=share, job=job, key=cache_key(*stamp, "ram"))
-    if disk is None:
-        return Tiers([ram])
-    try:
-        network = network_filesystem(disk.directory)
-        if disk.persist:
-            return Tiers([ram, _persisted(n, rows, disk, network, (*persisted, disk.version), stale)], persisted=True)
-        if network is not None:
-            warnings.warn(
-                f"disk_dir={disk.directory!r} is on a {network} filesystem, which other hosts mount: the disk tier "
-                "should be on this node's own disk (reading it costs network traffic, and its stale files can "
-                "only be swept on a local disk, so they are left there). Pass a node-local directory.",
-                NetworkFilesystemWarning,
-                stacklevel=3,
-            )
-        on_disk = Arena.create(
-            n,
-            disk.nbytes,
-            rows=rows,
-            directory=disk.directory,
-            share=share,
-            knob="disk_bytes",
-            advice=f"free space in {disk.directory}",
-            sweep=network is None,
-            job=job,
-            key=cache_key(*stamp, "disk", disk.directory),
-        )
-    except BaseException:
-        ram.close()
-        raise
-    return Tiers([ram, on_disk])
+    kinds: list[Tier] = [RamTier(capacity)]
+    if disk is not None:
+        kinds.append(DiskTier(disk, persisted, stale))
+    return open_tiers(n, kinds, rows, share, identity)
 
 
 def persisted_as(option: DiskOption) -> str:
@@ -340,7 +429,7 @@ def _persisted(
             f"the persisted cache's name in {disk.directory} is taken by a file that is not yours: this job's disk "
             "tier lives only as long as the job. Pass a disk_dir of your own",
             StaleCacheWarning,
-            stacklevel=4,
+            stacklevel=6,  # the user's construction: _persisted, DiskTier.open, open_tiers, create_tiers, __init__
         )
         return Arena.create(n, disk.nbytes, rows=rows, directory=disk.directory, knob="disk_bytes")
     if adopted and stale is not None and (index := stale(arena)) is not None:
@@ -349,7 +438,7 @@ def _persisted(
             "rebuilt. The cache's identity (name, length, first, middle and last samples, version=) did not change: "
             "pass a new version= when the data changes",
             StaleCacheWarning,
-            stacklevel=4,
+            stacklevel=6,  # the user's construction: _persisted, DiskTier.open, open_tiers, create_tiers, __init__
         )
         arena.discard()
         return _persisted(n, rows, disk, network, identity, None)  # built anew: nothing to check
