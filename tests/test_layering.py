@@ -270,3 +270,26 @@ def test_cli_help_is_plain_text_and_fast() -> None:
         assert "``" not in out.stdout and ".. " not in out.stdout and ":func:" not in out.stdout, out.stdout
         loaded = {line.split("|")[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time")}
         assert not loaded & {"torch", "numpy", "ignite", "tqdm", "filelock"}, sorted(loaded)
+
+
+CACHE = "ignite_ext.data.cache"
+# The arena's rooms and what of the cache each may import: downwards only (the space policies know nothing of the
+# table or the counters, the table nothing of the space's bookkeeping, none of them the file's life or the arena).
+ARENA_ROOMS = {
+    "_mapping": {"_cow"},
+    "_follow": {"_mapping"},
+    "_space": {"_cow", "_follow", "_mapping"},
+    "_table": {"_cow", "_mapping"},
+    "_counters": {"_mapping"},
+    "_life": {"_counters", "_cow", "_follow", "_mapping", "_space", "_sigterm", "persist", "restart", "shm"},
+    "arena": {"_counters", "_life", "_mapping", "_space", "_table"},
+}
+
+
+def test_the_arenas_rooms_import_only_downwards() -> None:
+    found = []
+    for room, allowed in ARENA_ROOMS.items():
+        for target in imports(PACKAGE / "data" / "cache" / f"{room}.py"):
+            if target.startswith(f"{CACHE}.") and target.split(".")[3] not in allowed:
+                found.append(f"{room} imports {target}")
+    assert found == []

@@ -74,6 +74,14 @@ _SHARED = re.compile(
 _WRITES = re.compile(r"\]\s*(\+=|-=|=)(?!=)|posix_fallocate")
 
 
+def modules() -> list[types.ModuleType]:
+    """The arena's modules: the ones traced, where the steps are."""
+    load_slim()
+    from ignite_ext.data.cache import _counters, _follow, _life, _mapping, _space, _table, arena
+
+    return [arena, _life, _table, _space, _counters, _follow, _mapping]
+
+
 def load_slim() -> types.ModuleType:
     """The arena module, imported without the package's ``__init__`` modules (which import torch)."""
     for name in ("ignite_ext", "ignite_ext.data", "ignite_ext.data.cache"):
@@ -172,28 +180,28 @@ SCENARIOS = {
 # kept (the tracer knows steps by line): "swap" two lines, "drop" lines (made ``pass``), "replace" parts of lines.
 MUTATIONS: dict[str, tuple[str, str, Any]] = {
     # The era bumped before the evicted entries are marked empty.
-    "era-before-evict": ("follow", "swap", ("table[gone, 0] = EMPTY", "header[H_ERA] += 1")),
+    "era-before-evict": ("Following.follow", "swap", ("table[gone, 0] = EMPTY", "header[H_ERA] += 1")),
     # A reserve that checked "not following" without the lock, and not again under it.
-    "reserve-without-recheck": ("reserve", "drop", ("if header[H_FOLLOW]:  # another process made it follow", 2)),
+    "reserve-without-recheck": ("AppendOnly.reserve", "drop", ("if header[H_FOLLOW]:  # another process made it", 3)),
     # A lookup that asks whether the arena follows before it reads the entry, not after.
     "follow-asked-first": (
-        "lookup",
+        "AppendOnly.read",
         "replace",
         (
-            (
-                "table, header = local.table, local.header",
-                "table, header, was = local.table, local.header, local.header[H_FOLLOW]",
-            ),
-            ("if not header[H_FOLLOW]:", "if not was:"),
+            ("table = local.table", "table, was = local.table, local.header[H_FOLLOW]"),
+            ("if local.header[H_FOLLOW]:  # asked after the entry", "if was:  # asked after the entry"),
         ),
     ),
-}  # fmt: skip
+}
 
 
-def mutate(arena_module: types.ModuleType, name: str) -> None:
-    """Replace an ``Arena`` method by its mutated source, compiled at its own file and lines (so still traced)."""
-    function, how, edit = MUTATIONS[name]
-    lines, start = inspect.getsourcelines(getattr(arena_module.Arena, function))
+def mutate(name: str) -> None:
+    """Replace a space policy's method by its mutated source, compiled at its own file and lines (still traced)."""
+    from ignite_ext.data.cache import _space
+
+    target, how, edit = MUTATIONS[name]
+    owner, function = target.split(".")
+    lines, start = inspect.getsourcelines(getattr(getattr(_space, owner), function))
 
     def at(text: str) -> int:
         found = [i for i, line in enumerate(lines) if text in line]
@@ -212,10 +220,10 @@ def mutate(arena_module: types.ModuleType, name: str) -> None:
             lines[at(old)] = lines[at(old)].replace(old, new)
     source = "\n" * (start - 1) + textwrap.dedent("".join(lines))
     flags = annotations.compiler_flag  # the feature this module imports: the source compiled as the module is
-    code = compile(source, str(arena_module.__file__), "exec", flags=flags, dont_inherit=True)
+    code = compile(source, str(_space.__file__), "exec", flags=flags, dont_inherit=True)
     namespace: dict[str, Any] = {}
-    exec(code, vars(arena_module), namespace)
-    setattr(arena_module.Arena, function, namespace[function])
+    exec(code, vars(_space), namespace)
+    setattr(getattr(_space, owner), function, namespace[function])
 
 
 # ---- invariants ----
@@ -224,26 +232,30 @@ def mutate(arena_module: types.ModuleType, name: str) -> None:
 def published(arena: Any, m: types.ModuleType) -> list[tuple[int, int, int]]:
     """``(index, offset, length)`` of the published entries of ``arena``."""
     table = arena._mapped().table
-    words = m.ENTRY_WORDS
-    return [(i, int(table[i * words + 1]), int(table[i * words + 2])) for i in range(N) if table[i * words] == m.READY]
+    from ignite_ext.data.cache._mapping import ENTRY_WORDS, READY
+
+    words = ENTRY_WORDS
+    return [(i, int(table[i * words + 1]), int(table[i * words + 2])) for i in range(N) if table[i * words] == READY]
 
 
 def check(arena: Any, m: types.ModuleType, locked: bool) -> str | None:
     """What is wrong with the file as any process sees it now, or None; ``locked``: a live process holds the lock."""
     from ignite_ext._fs import pid_alive
+    from ignite_ext.data.cache import _mapping as L
+    from ignite_ext.data.cache._space import follow_space
 
     local = arena._mapped()
     entries = published(arena, m)
-    spans = sorted((off, off + m.aligned(length), i) for i, off, length in entries)
+    spans = sorted((off, off + L.aligned(length), i) for i, off, length in entries)
     for i, off, length in entries:
         if bytes(local.data[off : off + length]) != expected(i):
             return f"published entry {i} does not hold its bytes"
     if any(start < end for (_, end, _), (start, _, _) in itertools.pairwise(spans)):
         return "two published entries overlap"
-    if locked or not local.header[m.H_FOLLOW]:
+    if locked or not local.header[L.H_FOLLOW]:
         return None
-    space = arena._space(local)
-    pin, used = int(local.header[m.H_PIN]), int(local.header[m.H_USED])
+    space = follow_space(local)
+    pin, used = int(local.header[L.H_PIN]), int(local.header[L.H_USED])
     count = int(space._count[0])
     free = [(int(o), int(o) + int(s)) for o, s in zip(space._offsets[:count], space._sizes[:count], strict=True)]
     held = space._inflight[space._inflight[:, 0] != 0]
@@ -278,6 +290,8 @@ def _serve(conn: Connection, m: types.ModuleType, path: str, steps: dict) -> Non
     (then the actor stops before taking it). The actor reports the kinds of the steps it took, and where it stopped,
     how it ended, or the first violation it saw (after each write, at its next step: the state it left).
     """
+    from ignite_ext.data.cache._space import AppendOnly
+
     traced = {file for file, _ in steps}
     arena = m.Arena.attach(path)
     state: dict[str, Any] = {}
@@ -315,7 +329,8 @@ def _serve(conn: Connection, m: types.ModuleType, path: str, steps: dict) -> Non
 
     while True:
         kind, arg = conn.recv()
-        arena._mapped().follow = None  # the file was reset: where its bookkeeping lies is read anew
+        mapped = arena._mapped()  # the file was reset: its mode and bookkeeping are read anew
+        mapped.follow, mapped.space = None, AppendOnly
         state.update(holding=False, budget=0, others=False, taken=[], dirty=False)
         sys.settrace(calls)  # with a budget of 0: the first step reports where the actor starts
         try:
@@ -353,9 +368,11 @@ class Pool:
         self.processes: list[tuple[int, Connection] | None] = [None] * len(scenario.actors)
 
     def reset(self) -> None:
+        from ignite_ext.data.cache._space import AppendOnly
+
         local = self.arena._mapped()
         local.mm[:] = self.snapshot
-        local.follow = None
+        local.follow, local.space = None, AppendOnly
 
     def process(self, index: int) -> tuple[int, Connection]:
         if (held := self.processes[index]) is not None:
@@ -492,6 +509,9 @@ class Execution:
         return sorted({*self._enabled(), who})
 
     def _final(self) -> None:
+        from ignite_ext.data.cache import _mapping as L
+        from ignite_ext.data.cache._space import follow_space
+
         m = self.m
         for actor in self.actors:
             kind = self.scenario.actors[actor.index][1]
@@ -501,11 +521,11 @@ class Execution:
                     self.violation = f"{actor.name} returned another sample's bytes"
                     return
         local = self.arena._mapped()
-        if local.header[m.H_FOLLOW]:
+        if local.header[L.H_FOLLOW]:
             self.arena.follow(range(N))  # a set no actor kept: an eviction (the recount of a following arena)
-            space = self.arena._space(local)
-            pin, used = int(local.header[m.H_PIN]), int(local.header[m.H_USED])
-            held = sum(m.aligned(length) for _, off, length in published(self.arena, m) if off >= pin)
+            space = follow_space(local)
+            pin, used = int(local.header[L.H_PIN]), int(local.header[L.H_USED])
+            held = sum(L.aligned(length) for _, off, length in published(self.arena, m) if off >= pin)
             if space.free_bytes() != used - pin - held:
                 self.violation = f"after a recount {space.free_bytes()} bytes free, not {used - pin - held}"
                 return
@@ -530,10 +550,8 @@ def explore(
     """Every execution of a scenario within the bounds; stops at the first violation."""
     arena_module = load_slim()
     if mutation is not None:
-        mutate(arena_module, mutation)
-    import ignite_ext.data.cache._follow as follow_module
-
-    steps = step_lines([arena_module, follow_module])
+        mutate(mutation)
+    steps = step_lines(modules())
     scenario = SCENARIOS[scenario_name]
     started = time.monotonic()
     pool = Pool(arena_module, scenario, steps)

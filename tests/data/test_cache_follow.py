@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 from ignite_ext.data import CachedDataset, ShardedDistributedSampler
+from ignite_ext.data.cache import _space
 from ignite_ext.data.cache.arena import Arena
 from ignite_ext.data.cache.codec import LENDABLE
 from ignite_ext.data.sampler.mixing import mixed_shards
@@ -519,19 +520,19 @@ def test_a_reservation_that_meets_the_first_follow_is_recorded_as_being_written(
     arena = Arena.create(n=4, capacity=1 << 20)
     other = Arena.attach(arena.path)  # another process's handle: its own lock descriptor
     try:
-        original = Arena._locked
+        original, mine = _space.locked, arena._mapped()
         calls = []
 
-        def meet(self: Arena, local: Any) -> Any:
-            if self is arena and not calls:
+        def meet(local: Any) -> Any:
+            if local is mine and not calls:
                 calls.append(other.follow(range(4)).following)  # between reserve's check and its lock
-            return original(self, local)
+            return original(local)
 
-        Arena._locked = meet  # type: ignore[method-assign]
+        _space.locked = meet
         try:
             held = arena.reserve(0, 1000)  # checked before the arena followed, taken after
         finally:
-            Arena._locked = original  # type: ignore[method-assign]
+            _space.locked = original
         assert calls == [True] and held is not None
         other.follow([1])  # recounts the space: the range being written must not be handed out
         assert other.reserve(1, 1000) != held

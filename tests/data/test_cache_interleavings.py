@@ -32,10 +32,7 @@ def _explore(scenario: str, mutation: str = "", preemptions: int = 2, kills: int
 
 
 def test_the_steps_include_every_write_of_the_protocol() -> None:
-    arena = _interleavings.load_slim()
-    import ignite_ext.data.cache._follow as follow
-
-    steps = _interleavings.step_lines([arena, follow])
+    steps = _interleavings.step_lines(_interleavings.modules())
     lines = {kind: [] for kind in ("lock", "unlock", "write", "read")}  # type: dict[str, list[str]]
     for (path, number), kind in steps.items():
         with open(path) as f:

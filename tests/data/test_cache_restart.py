@@ -28,8 +28,9 @@ from torch.utils.data import DataLoader
 
 from ignite_ext.data import CachedDataset, ShardedDistributedSampler
 from ignite_ext.data.cache import shm
+from ignite_ext.data.cache._life import _stamps
 from ignite_ext.data.cache._mapping import ENTRY_WORDS, HEADER_BYTES
-from ignite_ext.data.cache.arena import Arena, _stamps
+from ignite_ext.data.cache.arena import Arena
 from ignite_ext.data.cache.restart import NO_JOB, job_key
 from tests._world import World
 from tests.data.test_cache import ROOT, CountingDataset, epoch, fingerprint_loads

@@ -6,9 +6,11 @@ See :mod:`ignite_ext.data.cache.arena` for what the parts are for.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import mmap
 import os
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +63,7 @@ __all__ = [
     "Origin",
     "aligned",
     "close_local",
+    "locked",
     "open_local",
     "origin_of",
     "reopen",
@@ -116,6 +119,7 @@ class Local:
     cow: CowMap | None = None  # the copy-on-write mapping that lends large buffers, once opened
     cow_opened: bool = False
     follow: Any = None  # the FollowSpace of a following arena, once seen (views of mm: dropped before unmapping)
+    space: Any = None  # the space policy this process last saw the arena under (see ._space): it only ever follows
 
 
 #: Where a process that has the files open can be reached: (pid, arena fd, arena inode, lock fd, lock inode).
@@ -170,6 +174,17 @@ def open_local(
         claimed={},
         thread_lock=threading.Lock(),
     )
+
+
+@contextlib.contextmanager
+def locked(local: Local) -> Iterator[None]:
+    """The arena's lock: ``flock`` excludes the other processes, ``local``'s thread lock this one's other threads."""
+    with local.thread_lock:
+        fcntl.flock(local.lock_fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(local.lock_fd, fcntl.LOCK_UN)
 
 
 def close_local(local: Local) -> None:
