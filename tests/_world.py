@@ -382,7 +382,11 @@ def _native(
 
 
 def _kill_tree(proc: subprocess.Popen[bytes]) -> None:
-    """SIGKILL the launcher's process group and any descendant that left it (horovod starts its own)."""
+    """SIGKILL the launcher's process group and any descendant that left it (horovod starts its own).
+
+    The multiprocessing semaphores they had mapped go too: their resource tracker dies with them and would have
+    unlinked them (a Horovod world left 20 ``/dev/shm/sem.mp-*`` per teardown).
+    """
     pids: list[int] = []
     try:
         import psutil
@@ -390,12 +394,19 @@ def _kill_tree(proc: subprocess.Popen[bytes]) -> None:
         pids = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
     except Exception:  # psutil missing or the launcher already gone: the process group still catches most
         pass
+    semaphores = set()
+    for pid in (proc.pid, *pids):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as maps:
+            semaphores.update(line.split()[5] for line in maps if "/dev/shm/sem.mp-" in line)  # its path
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
     for pid in pids:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
     proc.wait()
+    for path in semaphores:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 class LaunchedWorld:
