@@ -293,3 +293,32 @@ def test_the_arenas_rooms_import_only_downwards() -> None:
             if target.startswith(f"{CACHE}.") and target.split(".")[3] not in allowed:
                 found.append(f"{room} imports {target}")
     assert found == []
+
+
+#: The cache folder's lines when its arena was split into rooms (0.5.0): a redesign does not grow it.
+CACHE_LINES = 4_446
+#: Lines of code (no docstring, comment or blank line) a class may have: above it, it holds more than one concern.
+CLASS_CODE_LINES = 300
+
+
+def _code_lines(source: str, node: ast.ClassDef) -> int:
+    docstrings: set[int] = set()
+    for inner in ast.walk(node):
+        if isinstance(inner, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) and ast.get_docstring(inner):
+            first = inner.body[0]
+            docstrings.update(range(first.lineno, (first.end_lineno or first.lineno) + 1))
+    text = source.splitlines()
+    rows = set(range(node.lineno, (node.end_lineno or node.lineno) + 1)) - docstrings
+    return sum(1 for row in rows if text[row - 1].strip() and not text[row - 1].strip().startswith("#"))
+
+
+def test_the_cache_keeps_its_size_and_every_class_one_concern() -> None:
+    lines = sum(len(path.read_text().splitlines()) for path in (PACKAGE / "data" / "cache").glob("*.py"))
+    assert lines <= CACHE_LINES, f"ignite_ext/data/cache/ has {lines} lines, over its {CACHE_LINES}"
+    large = []
+    for path in PACKAGE.rglob("*.py"):
+        source = path.read_text()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ClassDef) and (size := _code_lines(source, node)) > CLASS_CODE_LINES:
+                large.append(f"{path.relative_to(ROOT)}: {node.name} ({size} lines of code)")
+    assert large == []

@@ -1,12 +1,10 @@
 """Loading the samples that arrive next epoch ahead, in a process of their own, at a low priority.
 
-:meth:`CachedDataset.follow(indices, ahead=...) <ignite_ext.data.CachedDataset.follow>` starts one: a child forked
-from the calling process (a rank's main process; ``os.fork``, so a daemonic process may start one too) that loads
-each index of ``ahead`` the cache does not hold yet and stores it, niced and with one intra-op thread so that it
-takes the CPU the DataLoader workers leave, and stops at the first sample the cache has no room for. It dies with
-the thread that started it (``PR_SET_PDEATHSIG``), and is killed and reaped at the next ``follow``, at ``close`` and
-when the dataset is garbage-collected: a SIGKILL is safe at any moment, since a sample is published only when
-complete (:mod:`~ignite_ext.data.cache.arena`) and the space bookkeeping survives it (:mod:`._follow`).
+:meth:`CachedDataset.follow(indices, ahead=...) <ignite_ext.data.CachedDataset.follow>` forks one (``os.fork``: a
+daemonic process may too), niced, with one intra-op thread, until the cache is full. It dies with the thread that
+started it (``PR_SET_PDEATHSIG``) and is SIGKILLed and reaped at the next ``follow``, at ``close`` and when the
+dataset is collected: safe at any moment, since samples are published when complete and the space bookkeeping
+survives it (:mod:`._follow`).
 
 .. versionadded:: 0.4.0
 """

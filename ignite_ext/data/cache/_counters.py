@@ -9,8 +9,6 @@ shared slot, under the arena's lock.
 
 from __future__ import annotations
 
-from typing import Protocol
-
 from ignite_ext._fs import pid_alive
 from ignite_ext.data.cache._mapping import (
     BYTES,
@@ -25,6 +23,7 @@ from ignite_ext.data.cache._mapping import (
     SLOT_WORDS,
     SLOTS_PER_ROW,
     Local,
+    Mapped,
     locked,
 )
 
@@ -42,15 +41,11 @@ def restart_counters(local: Local, rows: int) -> None:
                 local.stats[base + word] = 0
 
 
-class _Mapped(Protocol):
-    def _mapped(self) -> Local: ...
-
-
 class Counters:
     """The counters' operations, as methods of :class:`~ignite_ext.data.cache.arena.Arena`."""
 
     def count(
-        self: _Mapped,
+        self: Mapped,
         row: int,
         slot: int,
         *,
@@ -81,7 +76,7 @@ class Counters:
                 words[base + EVICTED_BYTES] += evicted_bytes
                 words[base + LOADED_AHEAD] += loaded_ahead
 
-    def totals(self: _Mapped, row: int) -> tuple[int, int, int, int, int, int, int]:
+    def totals(self: Mapped, row: int) -> tuple[int, int, int, int, int, int, int]:
         """``(hits, misses, entries, bytes, evictions, evicted_bytes, loaded_ahead)`` of ``row``, over its processes."""
         words = self._mapped().stats
         sums = [0] * 7

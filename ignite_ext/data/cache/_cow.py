@@ -1,21 +1,12 @@
 """Copy-on-write views of a shared-memory file: zero-copy reads that the reader may modify without changing the file.
 
-A process maps the cache file a second time, ``MAP_PRIVATE``. Reading a page of that mapping maps the file's own
-page (no copy); the first write to it gives this process a private copy of that page (the kernel's copy-on-write),
-so the file, and every other process, never sees the change. That makes a view of the private mapping as safe to
-modify as a fresh copy, at the cost of a copy of only the pages actually written.
-
-Two things keep a later read of the same bytes from seeing an earlier reader's changes:
-
-* a range is lent to one holder at a time: while a view of it is alive (any tensor or array built on it), the next
-  read of that range gets ``None`` and copies instead;
-* before a range is lent again, ``/proc/self/pagemap`` tells whether any of its pages became private (written); if
-  so they are dropped with ``MADV_DONTNEED``, which makes them map the file's pages again.
-
-Dropping pages is only safe when no other lent range shares them, so only ranges that start on a page boundary are
-lent, and no lent range may start in another's last page. Other bytes in a lent range's pages are harmless: their
-readers read them through the shared mapping, so whether the private one holds a copy of them does not matter.
-Where ``pagemap`` does not report what this needs (some sandboxes), nothing is lent and callers copy.
+A process maps the cache file a second time, ``MAP_PRIVATE``: reading a page maps the file's own page, the first
+write gives this process a private copy of it, which nobody else sees. A later read of the same bytes never sees an
+earlier reader's changes: a range is lent to one holder at a time (while a view of it lives, the next read copies),
+and before it is lent again the pages ``/proc/self/pagemap`` shows private (written) are dropped with
+``MADV_DONTNEED``, mapping the file's pages again. That is safe only when no other lent range shares those pages:
+lent ranges start on a page, and none starts in another's last page. Where ``pagemap`` does not report what this
+needs (some sandboxes), nothing is lent and callers copy.
 
 .. versionadded:: 0.1.0
 """
@@ -35,8 +26,7 @@ __all__ = ["PAGE", "CowMap"]
 PAGE = mmap.PAGESIZE
 
 _PAGEMAP = "/proc/self/pagemap"
-# The mapping spans the whole cache, but only the pages a reader writes take memory of their own: do not have the
-# kernel reserve (commit) memory for all of it. Linux's value; the mmap module names it from Python 3.13 on.
+# Only the pages a reader writes take memory: the kernel need not commit the whole cache. Named from Python 3.13 on.
 _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
 # The top byte of a pagemap entry: bit 7 page present, bit 6 swapped, bit 5 file page (or shared anonymous).
 _PRESENT, _SWAPPED, _FILE = 0x80, 0x40, 0x20

@@ -1,9 +1,7 @@
 """What an arena that follows its samplers' shards keeps in its data area: free ranges, and ranges being written.
 
-An arena *follows* once :meth:`Arena.follow <ignite_ext.data.cache.arena.Arena.follow>` is first called: from
-then on entries that left the set it is told to keep are evicted, and their space is handed to new samples. This
-module is the bookkeeping of that space, kept in a region of the arena's own data area (so every process of the
-node sees it, and it lives and dies with the arena)::
+The bookkeeping of a following arena's space (see :mod:`~ignite_ext.data.cache._space`), kept in a region of the
+arena's own data area, so every process of the node sees it and it lives and dies with the arena::
 
     count of free ranges | in-flight table: INFLIGHT x (pid, offset, size) | free offsets: F | free sizes: F
 

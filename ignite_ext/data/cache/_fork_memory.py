@@ -1,15 +1,9 @@
 """Keeping a forked DataLoader worker's inherited memory shared with its parent and siblings.
 
-A worker forked from a rank shares every page of the rank's Python heap with it and with the other workers until
-one of them writes the page. Python's cyclic garbage collector writes to every object it examines: the first full
-collection in a worker (which a worker that allocates containers per sample reaches within an epoch) gives that
-worker a private copy of every page holding a tracked object it inherited, and leaves the rank's own copy private
-too: tens of MiB per process (a rank with torch imported holds 25-30 MiB of such objects), the same whatever the
-samples. ``gc.freeze()`` in the worker moves what it inherited out of the collector's reach, so later collections
-examine only the worker's own objects (the measure CPython's ``gc`` documentation gives for servers that fork).
-
-What is frozen is never collected in that worker: garbage cycles the rank held at the fork stay in the worker's
-memory, shared with the rank's, as they would without the freeze until a collection found them.
+Python's collector writes to every object it examines: a worker's first full collection copies every page of
+tracked objects it inherited (25-30 MiB with torch imported, per process). ``gc.freeze()`` at a worker's first read
+keeps them out of the collector's reach (CPython's advice for servers that fork); the garbage cycles the rank held
+at the fork then stay, shared, in the worker's memory.
 
 .. versionadded:: 0.5.0
 """

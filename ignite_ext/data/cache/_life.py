@@ -1,17 +1,14 @@
 """An arena's file: its life (create, adopt, open persisted, attach, close) and the rules that keep it safe.
 
-An arena is a plain file mapped by every process that reads the cache: a tmpfs one (``/dev/shm``) is RAM whose
-pages exist once per node however many processes map it; one in a disk directory lives in the kernel's page cache.
-Its layout (:mod:`~ignite_ext.data.cache._mapping`)::
+An arena is a plain file mapped by every process that reads the cache (in ``/dev/shm``: RAM, once per node)::
 
     header (4 KiB) | index table: n x (state, offset, length) | counters | data (64-byte aligned, from a page)
 
-The lock is ``flock`` on a small ``.lock`` file next to the arena: the kernel releases it when its holder dies, so a
-SIGKILLed worker cannot wedge the others. The creating process also holds a shared ``flock`` on the arena for its
-whole life; that, and a file name carrying its pid, is how a later process tells an arena left behind by a killed
-run (and sweeps it, or adopts it in a restarted worker group: :mod:`~ignite_ext.data.cache.restart`) from one still
-in use; see :mod:`~ignite_ext.data.cache.shm` for the names. Before any sample of a file it did not create is
-served, :meth:`ArenaFile.consistent` checks it.
+The lock is ``flock`` on a ``.lock`` file beside it: the kernel releases it when its holder dies, so a SIGKILLed
+worker cannot wedge the others. The creator holds a shared ``flock`` on the arena for its whole life: with its pid
+in the name (:mod:`~ignite_ext.data.cache.shm`), that tells a killed run's arena (swept, or adopted by a restarted
+group: :mod:`~ignite_ext.data.cache.restart`) from one in use. A file this process did not create is checked
+(:meth:`ArenaFile.consistent`) before any sample of it is served.
 
 .. versionadded:: 0.5.0
    Out of :mod:`~ignite_ext.data.cache.arena` (0.1.0).
@@ -98,8 +95,7 @@ def _finalize(path: str, creator: int, liveness_fd: int, keep: bool) -> None:
     # Forked children inherit the finalizer registry: only the creating process may delete the files.
     if os.getpid() != creator:
         return
-    # A persisted cache outlives its job (see .persist); an attempt that fails or is SIGTERMed while its live agent
-    # has a restart left leaves its arenas to the restarted group, as a SIGKILLed one does.
+    # An attempt that fails or is SIGTERMed with a restart left leaves its arenas to the restarted group.
     if not keep and not (restart.leaving_for_a_restart(_sigterm.terminating()) and shm.agent_lives(path)):
         remove_files([path, path[: -len(".arena")] + ".lock"])
     with contextlib.suppress(OSError):
@@ -139,28 +135,24 @@ class ArenaFile:
     ) -> Self:
         """Create an arena for ``n`` indices and ``capacity`` bytes of data; it is deleted when this process exits.
 
-        In a restarted worker group, adopt the arena of the attempt before instead, when it is stamped with this
-        ``job`` and ``key`` (see :mod:`~ignite_ext.data.cache.restart`): then its samples are served at once, and
-        its capacity is the one it was created with.
+        In a restarted worker group, adopt instead the arena of the attempt before stamped with this ``job`` and
+        ``key`` (:mod:`~ignite_ext.data.cache.restart`), its samples and capacity.
 
         Args:
             n: number of dataset indices.
-            capacity: bytes of sample data; ``None`` takes :data:`~.shm.DEFAULT_FRACTION` of the free space.
+            capacity: bytes of sample data; ``None`` takes :data:`~.shm.DEFAULT_FRACTION` of the free space, split
+                ``share`` ways (the caches created together: the ranks of a node, each its own).
             rows: number of counter rows (one per rank sharing the arena).
-            directory: the directory to create it in: a tmpfs (RAM), or a node-local disk for a disk tier.
-            share: with ``capacity=None``, the number of caches being created together that split the default
-                (the ranks of a node, each creating its own): each takes ``1/share`` of it.
-            knob: the user's name of ``capacity``, for the errors.
-            advice: how to make room in ``directory``, for the errors; by default, how to enlarge a tmpfs.
-            sweep: whether to sweep this user's stale arenas in ``directory`` first (not where liveness cannot be
-                judged from this host: a filesystem that other hosts mount), and adopt one (neither is done there).
-            job: the job to stamp the arena with (:func:`~ignite_ext.data.cache.restart.job_key`); :data:`NO_JOB`
-                adopts nothing, and the arena is never adopted.
-            key: the cache to stamp it with (:func:`~ignite_ext.data.cache.restart.cache_key`).
+            directory: a tmpfs (RAM), or a node-local disk for a disk tier.
+            share: see ``capacity``.
+            knob: the user's name of ``capacity``, and ``advice``, how to make room: for the errors.
+            advice: see ``knob``; by default, how to enlarge a tmpfs.
+            sweep: whether to sweep this user's stale arenas first and adopt one (not where other hosts mount).
+            job: the job stamp (:func:`~.restart.job_key`); :data:`NO_JOB` adopts nothing and is never adopted.
+            key: the cache stamp (:func:`~.restart.cache_key`).
 
         Raises:
-            ShmSpaceError: the tmpfs lacks room for the table plus ``capacity`` (or plus :data:`~.shm.MIN_CAPACITY`
-                when ``capacity`` is ``None``).
+            ShmSpaceError: the directory lacks room for the table plus ``capacity`` (or :data:`~.shm.MIN_CAPACITY`).
             ValueError: ``n`` is negative or ``capacity`` not positive.
         """
         if n < 0:
@@ -254,11 +246,10 @@ class ArenaFile:
     ) -> tuple[Self | None, bool]:
         """This user's persisted arena ``key`` in ``directory`` (see :mod:`~ignite_ext.data.cache.persist`).
 
-        Opened when a sound one is there (then True: its samples serve at once), else created (False); kept when
-        this process exits. Its last use is recorded, and the user's persisted caches in the directory are then
-        brought under their cap. A file that fails its checks is deleted (with a
-        :class:`~ignite_ext.data.cache.persist.StaleCacheWarning`) and created anew. ``(None, False)`` when the name
-        is taken by a file that is not this user's (another user's, or a link): that is never opened nor deleted.
+        Opened when a sound one is there (True), else created (False: one that fails its checks is deleted, with a
+        :class:`~ignite_ext.data.cache.persist.StaleCacheWarning`); kept at exit; its use recorded, the user's
+        persisted caches brought under their cap. ``(None, False)`` when another user's file (or a link) has the
+        name: never opened nor deleted.
 
         Raises:
             ShmSpaceError: there is no room for it in ``directory``.
@@ -335,9 +326,8 @@ class ArenaFile:
         """The stale arena of ``directory`` stamped ``job`` and ``key``, made this process's own, or None.
 
         None also when the arena found fails :meth:`consistent` (then it is deleted). Called under the user's
-        creation lock of ``directory``, which every sweep holds too. The creator must be gone; the processes it
-        forked may not be yet (DataLoader workers notice their parent's death within seconds): they only ever
-        publish complete samples of the same dataset, as before.
+        creation lock of ``directory``, which every sweep holds too. The creator's workers may linger (seconds): they
+        only ever publish complete samples of the same dataset.
         """
         for old in shm.orphaned_arenas(directory):
             if _stamps(old) != (job, key, n, rows):

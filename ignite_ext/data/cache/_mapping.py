@@ -12,7 +12,7 @@ import os
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from ignite_ext.data.cache._cow import CowMap
 
@@ -21,70 +21,27 @@ from ignite_ext.data.cache._cow import CowMap
 PID = os.getpid()
 os.register_at_fork(after_in_child=lambda: globals().update(PID=os.getpid()))
 
+# fmt: off
 __all__ = [
-    "ALIGN",
-    "BYTES",
-    "EMPTY",
-    "ENTRIES",
-    "ENTRY_WORDS",
-    "EVICTED_BYTES",
-    "EVICTIONS",
-    "HEADER_BYTES",
-    "HITS",
-    "H_AGENT",
-    "H_AGENT_ID",
-    "H_CAPACITY",
-    "H_DATA",
-    "H_DIGEST",
-    "H_ERA",
-    "H_FOLLOW",
-    "H_FULL",
-    "H_JOB",
-    "H_KEY",
-    "H_MAGIC",
-    "H_N",
-    "H_PIN",
-    "H_ROWS",
-    "H_STATS",
-    "H_TABLE",
-    "H_USED",
-    "H_VERSION",
-    "LOADED_AHEAD",
-    "MAGIC",
-    "MAX_WORKERS",
-    "MISSES",
-    "OWNER",
-    "READY",
-    "SHARED_SLOT",
-    "SLOTS_PER_ROW",
-    "SLOT_WORDS",
-    "VERSION",
-    "Local",
-    "Origin",
-    "aligned",
-    "close_local",
-    "locked",
-    "open_local",
-    "origin_of",
-    "reopen",
+    "ALIGN", "BYTES", "EMPTY", "ENTRIES", "ENTRY_WORDS", "EVICTED_BYTES", "EVICTIONS", "HEADER_BYTES", "HITS",
+    "H_AGENT", "H_AGENT_ID", "H_CAPACITY", "H_DATA", "H_DIGEST", "H_ERA", "H_FOLLOW", "H_FULL", "H_JOB", "H_KEY",
+    "H_MAGIC", "H_N", "H_PIN", "H_ROWS", "H_STATS", "H_TABLE", "H_USED", "H_VERSION", "LOADED_AHEAD", "MAGIC",
+    "MAX_WORKERS", "MISSES", "OWNER", "READY", "SHARED_SLOT", "SLOTS_PER_ROW", "SLOT_WORDS", "VERSION", "Local",
+    "Mapped", "Origin", "aligned", "close_local", "locked", "open_local", "origin_of", "reopen",
 ]
+# fmt: on
 
 MAGIC = 0x49474E4954455843  # "IGNITEXC"
 VERSION = 1
 HEADER_BYTES = 4096
 ALIGN = 64
 
-# Header words. H_JOB and H_KEY stamp the job and the cache that created the arena (see .restart); arenas of
-# version 1 written before them hold 0 there, which no job is. H_AGENT and H_AGENT_ID stamp the job's agent (pid,
-# identity digest) so that any sweep spares a live agent's arenas; written before them they are 0, which no agent
-# is, so such an arena is swept as before: an additive change that needs no new VERSION (which would make every
-# persisted cache unusable).
+# Header words. Those added within VERSION 1 read 0 in older arenas, which means "none" for each (no job, no agent,
+# not following), so no new VERSION was needed (it would make every persisted cache unusable). H_JOB, H_KEY, H_AGENT
+# and H_AGENT_ID: the stamps (see .restart). H_FOLLOW: 1 + the offset of a following arena's bookkeeping region in
+# the data area; nothing below H_PIN is ever reused; H_ERA counts evictions; H_DIGEST names the last set kept.
 H_MAGIC, H_VERSION, H_N, H_CAPACITY, H_TABLE, H_STATS, H_DATA, H_USED, H_ROWS, H_FULL, H_JOB, H_KEY = range(12)
-H_AGENT, H_AGENT_ID = 12, 13
-# An arena that follows a sampler's shards (see ._follow), likewise additive: H_FOLLOW is 1 + the offset of its
-# bookkeeping region in the data area (0: it does not follow), nothing below H_PIN in the data area is ever reused,
-# H_ERA counts the evictions (readers check it around their copy) and H_DIGEST names the last set kept.
-H_FOLLOW, H_PIN, H_ERA, H_DIGEST = 14, 15, 16, 17
+H_AGENT, H_AGENT_ID, H_FOLLOW, H_PIN, H_ERA, H_DIGEST = range(12, 18)
 # Index table: three words per dataset index.
 ENTRY_WORDS = 3
 EMPTY, READY = 0, 1
@@ -124,6 +81,12 @@ class Local:
 
 #: Where a process that has the files open can be reached: (pid, arena fd, arena inode, lock fd, lock inode).
 Origin = tuple[int, int, int, int, int]
+
+
+class Mapped(Protocol):
+    """What an arena's rooms ask of the arena they are methods of: this process's :class:`Local` of it."""
+
+    def _mapped(self) -> Local: ...
 
 
 def reopen(path: str, pid: int | None, fd: int, inode: int) -> int:

@@ -1,19 +1,11 @@
 """A DataLoader worker not started by fork ends with the rank that started it: it maps the cache's memory.
 
-torch's worker watches its parent: it compares ``os.getppid()`` with the pid it read as its loop began. Two
-orphans escape it, each found holding a SIGKILLed rank's cache (its memory never freed while they map it):
-
-* a ``spawn`` worker whose rank died while it started (seconds of imports under load): its loop began with init
-  (or a subreaper) as its parent, which it then takes for the rank;
-* every ``forkserver`` worker (Python 3.14's default): its parent is the fork server, which the worker itself keeps
-  alive (it holds the server's liveness pipe), so the rank's death is never seen.
-
-Each waits for indices for ever. The dataset, pickled by the rank for such a worker, carries the rank's identity
-(:func:`~ignite_ext._fs.process_identity`); unpickled in another process, it starts a thread that waits on a
-``pidfd`` of the rank (no polling) and, once the rank is gone, ends the process if it is a DataLoader worker (the
-check waits up to :data:`JOINING` seconds for the worker's loop to begin). A process that is not a worker, or a
-kernel without ``pidfd_open``, is left as torch leaves it; a forked worker starts its loop at once (torch's watch
-holds there).
+torch's worker compares ``os.getppid()`` with the pid it read as its loop began, which two orphans escape, holding
+a SIGKILLed rank's cache for ever: a ``spawn`` worker whose rank died while it started (its loop began with init as
+its parent), and every ``forkserver`` worker (its parent is the fork server, which the worker itself keeps alive).
+So the dataset pickled for a worker carries the rank's identity (:func:`~ignite_ext._fs.process_identity`), and
+its copy waits on a ``pidfd`` of the rank (no polling) and then ends the process if it is a DataLoader worker
+(waiting up to :data:`JOINING` seconds for the worker's loop to begin). Without ``pidfd_open``, torch's watch only.
 
 .. versionadded:: 0.5.0
 """

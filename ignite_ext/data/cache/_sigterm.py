@@ -1,20 +1,11 @@
 """A cache's files deleted on ``SIGTERM`` as at a normal exit: what launchers send the other ranks when one fails.
 
-Python's default action for ``SIGTERM`` ends the process at once, running neither ``atexit`` nor finalizers, so the
-arenas of a rank that ``idist.Parallel`` or torchrun terminated stayed in ``/dev/shm`` until a later sweep. The
-first arena a process creates installs :func:`_on_sigterm`, only in the main thread of a process that is not a
-DataLoader worker (and never over an ignored ``SIGTERM``, nor over a handler set outside Python). On ``SIGTERM``:
-
-* with Python's default action before it: the process's own arenas are deleted (their finalizers run), the default
-  action is restored and the signal delivered again, so the process dies of ``SIGTERM`` with its exit status;
-* with a handler of the program's before it: that handler runs; the arenas go when the process exits as that
-  handler decides (a ``sys.exit`` runs the finalizers), as at any normal exit.
-
-Either way, an elastic worker's arenas are kept while the agent that SIGTERMed it lives: the restarted group adopts
-them (see :mod:`~ignite_ext.data.cache.restart`). Processes forked afterwards (DataLoader workers) get the handler
-before it back. A handler runs when the main thread next runs Python code: a main thread blocked in native code (a
-collective whose peer died) runs it only when that call returns, and a launcher's ``SIGKILL`` after its grace period
-leaves the files to the next sweep, as before.
+Python's default ``SIGTERM`` runs neither ``atexit`` nor finalizers. The first arena a process creates installs
+:func:`_on_sigterm` (in the main thread of a process that is not a DataLoader worker, never over an ignored
+``SIGTERM`` nor a handler set outside Python): over the default action it deletes the process's arenas and
+delivers the signal again with the default action; over the program's handler it runs that handler, and the
+arenas go when the process exits as it decides. Forked children get the handler before it back. The cache guide's
+*Cleanup* says when it runs, and when an elastic worker keeps its files for a restart.
 """
 
 from __future__ import annotations

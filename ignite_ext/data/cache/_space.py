@@ -4,17 +4,14 @@
 reused, so a published entry never changes: reads are views, and large buffers are lent copy-on-write.
 
 *Following* (:class:`Following`, from an arena's first :meth:`Following.follow`, for good): entries that left the
-set kept are evicted and their space handed to new samples (the bookkeeping is
-:mod:`~ignite_ext.data.cache._follow`), so reads copy the bytes out and keep the copy only if no eviction happened
-meanwhile (the era word, bumped under the lock after the evicted entries are marked empty and before any freed range
-is handed out), and nothing is lent. What was stored before the arena followed stays where it is (it may have been
-lent): its space is never reused.
+set kept are evicted and their space handed to new samples (:mod:`~ignite_ext.data.cache._follow`), so reads copy
+the bytes out and keep the copy only if the era word (bumped under the lock after the evicted entries are emptied,
+before any freed range is handed out) did not change meanwhile; nothing is lent. What was stored before stays put.
 
-Any process of the node may make the arena follow. A process keeps the policy it last saw (``Local.space``) and
+Any process of the node may make the arena follow. A process keeps the policy it last saw (``Local.space``), and
 :class:`AppendOnly` asks the header whenever the answer matters: before handing out space, again under the lock,
-and *after* reading an entry (not following then, no eviction has ever happened, so the entry lies where nothing is
-reused; asked before, another process could start following, publish the entry in reusable space, evict it and
-reuse the space under the view returned).
+and *after* reading an entry (asked before, another process could start following, publish the entry in reusable
+space, evict it and reuse the space under the view returned).
 
 .. versionadded:: 0.5.0
 """

@@ -1,12 +1,10 @@
 """An arena's sample table: one entry per dataset index, published when complete, read without a lock.
 
-*Publish when complete*: a writer reserves a range (under the lock; :mod:`~ignite_ext.data.cache._space` decides
-where), copies the sample into it (no lock) and then, under the lock again, writes offset and length and flips the
-entry's state to ``READY`` last. Readers never lock: an entry they see ``READY`` is complete. A writer killed before
-it publishes leaves an ``EMPTY`` entry and a few wasted bytes, never a half entry; a second writer of the same entry
-finds it taken at publish time and its range is simply not used. How a published entry is read (a view, or a copy
-checked against evictions) and whether its large buffers may be lent is the space policy's to say: the table asks
-the policy this process last saw, which asks the header whenever the answer may have changed.
+*Publish when complete*: a writer reserves a range (under the lock, where :mod:`~ignite_ext.data.cache._space`
+says), copies the sample into it (no lock) and then, under the lock, writes offset and length and flips the entry
+to ``READY`` last. Readers never lock: a ``READY`` entry is complete. A writer killed before it publishes leaves an
+``EMPTY`` entry, never a half one; a second writer of an entry finds it taken at publish time. How an entry is read
+(a view, or a copy checked against evictions) and lent is the space policy's to say.
 
 .. versionadded:: 0.5.0
 """
@@ -15,22 +13,17 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Protocol
 
 from ignite_ext.data.cache._cow import CowMap
-from ignite_ext.data.cache._mapping import EMPTY, ENTRY_WORDS, READY, Local, locked
+from ignite_ext.data.cache._mapping import EMPTY, ENTRY_WORDS, READY, Mapped, locked
 
 __all__ = ["SampleTable"]
-
-
-class _Mapped(Protocol):
-    def _mapped(self) -> Local: ...
 
 
 class SampleTable:
     """The table's operations, as methods of :class:`~ignite_ext.data.cache.arena.Arena` (which maps the file)."""
 
-    def lookup(self: _Mapped, index: int) -> memoryview | None:
+    def lookup(self: Mapped, index: int) -> memoryview | None:
         """Return the published bytes of ``index``, or ``None`` if it has none.
 
         A view into the arena; in a following arena, a private copy of the bytes, taken when no eviction happened
@@ -39,18 +32,18 @@ class SampleTable:
         local = self._mapped()
         return local.space.read(local, index * ENTRY_WORDS)  # type: ignore[no-any-return]
 
-    def holds(self: _Mapped, index: int) -> bool:
+    def holds(self: Mapped, index: int) -> bool:
         """Whether ``index`` has a published entry (without copying it, as :meth:`lookup` does in a following arena).
 
         .. versionadded:: 0.4.0
         """
         return bool(self._mapped().table[index * ENTRY_WORDS] == READY)
 
-    def data_view(self: _Mapped, offset: int, nbytes: int) -> memoryview:
+    def data_view(self: Mapped, offset: int, nbytes: int) -> memoryview:
         """A writable view of a reserved range."""
         return self._mapped().data[offset : offset + nbytes]
 
-    def publish(self: _Mapped, index: int, offset: int, nbytes: int) -> bool:
+    def publish(self: Mapped, index: int, offset: int, nbytes: int) -> bool:
         """Make a fully written range the entry of ``index``; ``False`` if another writer published it first."""
         local = self._mapped()
         base = index * ENTRY_WORDS
@@ -63,7 +56,7 @@ class SampleTable:
             local.table[base] = READY  # last: readers take READY to mean complete
         return True
 
-    def borrow(self: _Mapped, index: int, start: int, nbytes: int) -> memoryview | None:
+    def borrow(self: Mapped, index: int, start: int, nbytes: int) -> memoryview | None:
         """A private, copy-on-write view of bytes ``start:start + nbytes`` of the published entry of ``index``.
 
         Writing to the view (or to a tensor built on it) copies the pages written, for this process only: the
@@ -80,7 +73,7 @@ class SampleTable:
                     local.cow_opened = True
         return local.space.lend(local, index * ENTRY_WORDS, start, nbytes)  # type: ignore[no-any-return]
 
-    def lender(self: _Mapped, index: int, raw: memoryview) -> Callable[[int, int], memoryview | None]:
+    def lender(self: Mapped, index: int, raw: memoryview) -> Callable[[int, int], memoryview | None]:
         """What lends the large buffers of ``raw`` (the bytes :meth:`lookup` returned for ``index``) to a decoder.
 
         A private copy (a following arena's) lends slices of itself; a view of the arena, :meth:`borrow`.

@@ -1,12 +1,9 @@
 """Whether this process is one rank of several, asked of :mod:`ignite.distributed` only where it can be.
 
-Importing :mod:`ignite.distributed` costs a process about 60 MB and 85 000 Python objects. A rank's main process
-that imports it for a cache passes that on to every DataLoader worker it forks: the workers touch those objects
-(reference counts, the garbage collector's passes) and the kernel copies each page they touch, so every worker
-ends up paying part of it again (copy-on-read). A process alone needs none of it, and is known to be alone
-without ignite: :mod:`ignite.distributed` sees a world of several ranks only through a context someone set up, a
-``torch.distributed`` process group, Horovod or torch_xla, and none of them exists if neither was imported or
-initialised. Where ignite is loaded already, it is asked (that costs nothing more).
+Importing :mod:`ignite.distributed` costs a process about 60 MB and 85 000 Python objects, which every DataLoader
+worker it forks partly copies again as it touches them. A process alone needs none of it, and is known to be alone
+without ignite: ignite sees several ranks only through a process group, Horovod or torch_xla, none of which exists
+unless imported or initialised. Where ignite is loaded already, it is asked.
 
 .. versionadded:: 0.2.0
 """
@@ -25,8 +22,7 @@ _CONTEXTS = ("ignite.distributed", "horovod.torch", "torch_xla")
 def ignite_world() -> ModuleType | None:
     """:mod:`ignite.distributed` where this process may be one rank of several; None where it is surely alone.
 
-    Alone (rank 0 of 1) means: no ``torch.distributed`` process group is initialised, and neither ignite's
-    distributed module, Horovod nor torch_xla is loaded. Then nothing is imported.
+    Alone: no process group initialised, and neither ignite's distributed module, Horovod nor torch_xla loaded.
 
     Examples:
         >>> from ignite_ext.data.cache._world import ignite_world

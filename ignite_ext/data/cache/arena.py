@@ -1,15 +1,10 @@
 """The shared-memory store behind :class:`~ignite_ext.data.CachedDataset`: one arena file per cache and tier.
 
-An arena is made of three rooms, each a module of its own, and this one puts them together:
-
-* the file's life (:mod:`~ignite_ext.data.cache._life`): create, adopt after a restart, open persisted, attach,
-  the checks before a file another process made is served, the liveness lock and the names a sweep goes by;
-* the sample table (:mod:`~ignite_ext.data.cache._table`): publish when complete, read without a lock;
-* the space policy (:mod:`~ignite_ext.data.cache._space`): append only (never reused: views, lent copy-on-write)
-  or, from the first :meth:`Arena.follow`, following (evicted space reused: copies checked against evictions);
-
-and the counters (:mod:`~ignite_ext.data.cache._counters`). Every interleaving of their steps by a reader, writers
-and an evictor within a bound, and a SIGKILL at any step, is explored by ``tests/data/test_cache_interleavings.py``.
+Its rooms, put together here: the file's life (:mod:`~ignite_ext.data.cache._life`), the sample table
+(:mod:`~ignite_ext.data.cache._table`), the space policy (:mod:`~ignite_ext.data.cache._space`: append only, or
+following from the first :meth:`Arena.follow`) and the counters (:mod:`~ignite_ext.data.cache._counters`). Every
+interleaving of their steps within a bound, with a SIGKILL at any step, is explored by
+``tests/data/test_cache_interleavings.py``.
 
 .. versionadded:: 0.1.0
 """
@@ -79,17 +74,12 @@ class Arena(ArenaFile, SampleTable, Counters):
     def follow(self, keep: Iterable[int] | Any) -> Followed:
         """Keep the entries of ``keep`` (indices) only: evict the others and hand their space to new samples.
 
-        The first call makes the arena *following* (see :mod:`~ignite_ext.data.cache._space`): it takes a bookkeeping
-        region of ``16 * n`` bytes of the data area plus 10 KiB (without room for it nothing is evicted and
-        ``following`` stays False), and what is stored by then is never moved nor its space reused. A call with the
-        set of the call before evicts nothing and costs no lock. Any process of the node may call it; the others
-        see its effect at once.
+        The first call makes the arena *following* (see :mod:`~ignite_ext.data.cache._space`), taking ``16 * n``
+        bytes plus 10 KiB of the data area for bookkeeping (without room, nothing is evicted and ``following`` stays
+        False). A call with the set of the call before costs no lock. Any process of the node may call it.
 
         Args:
             keep: the indices to keep (any iterable of ints, or an integer array).
-
-        Returns:
-            How many entries were evicted, their bytes, and whether the arena follows.
 
         Raises:
             ValueError: an index is not in ``range(n)``.

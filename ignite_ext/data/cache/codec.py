@@ -1,22 +1,15 @@
 """Compact serialisation of dataset samples into a flat byte range, and back.
 
-A sample becomes a *skeleton* plus the raw bytes of every dense tensor and array in it, laid out after the skeleton
-at 64-byte aligned offsets. The skeleton is a pickled tree of tagged tuples of builtin types (a tensor node holds its
-dtype's name, shape and where its bytes are; a container node holds its children; any other value is kept as is),
-so unpickling it imports no class and costs about a microsecond. Tensors and
-arrays are never pickled, so encoding is a single memory copy of their bytes. Decoding copies them back into fresh
-tensors and arrays, except that buffers of :data:`LENDABLE` bytes or more are offered to a ``borrow`` callback first,
-which may return a private copy-on-write view of them instead (:mod:`ignite_ext.data.cache._cow`): either way what
-a caller gets never aliases the buffer it was decoded from.
-
-Layout of one encoded sample::
+A sample becomes a *skeleton* (a pickled tree of tagged tuples of builtin types: unpickling it imports no class)
+plus the raw bytes of every dense tensor and array in it, never pickled, so encoding is one copy of their bytes::
 
     u32 magic | u32 skeleton length | u32 start of raw 0 | skeleton (pickle) | padding | raw 0 | padding | raw 1 | ...
 
-Raw buffers start at multiples of 64 bytes. Those of :data:`LENDABLE` bytes or more are also placed a whole number of
-pages apart, and :attr:`Encoded.page_offset` says where in a page the range must start for them to begin on page
-boundaries: then no two of them share a page (the pages one of them is lent from may hold other, copied bytes, which
-is harmless), across samples too, at a cost of less than a page of padding per sample.
+Raw buffers start at multiples of 64 bytes; those of :data:`LENDABLE` bytes or more also whole pages apart, and
+:attr:`Encoded.page_offset` says where in a page the range must start for them to begin on pages (no two share a
+page, across samples too). Decoding copies the buffers into fresh tensors and arrays, or takes the private
+copy-on-write view a ``borrow`` callback offers for a lendable one (:mod:`ignite_ext.data.cache._cow`): what a
+caller gets never aliases the buffer it was decoded from.
 
 .. versionadded:: 0.1.0
 """
@@ -41,9 +34,8 @@ _PREFIX = struct.Struct("<III")
 #: Raw buffers start at multiples of this, so decoding copies from aligned addresses.
 ALIGN = 64
 #: Raw buffers of at least this many bytes start on a page, so they can be lent copy-on-write instead of copied.
-#: Smaller ones are copied: the alignment costs up to a page of padding per sample (6 % at 64 KiB), and in a
-#: DataLoader worker copying 64 KiB (and collating the copy, still in the CPU's cache) costs less than lending it
-#: (a page-flags read, the lent-range bookkeeping, the collation's cold reads); at 128 KiB they cost the same.
+#: Smaller ones are copied: padding to a page costs up to 6 % at 64 KiB, and copying 64 KiB in a worker (then
+#: collating the copy, still in the CPU's cache) costs less than lending it; at 128 KiB they cost the same.
 LENDABLE = 128 << 10
 
 #: Where a decoded buffer may come from instead of a copy: ``(offset, nbytes)`` in the encoded range to a writable
@@ -64,12 +56,9 @@ _TORCH_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() 
 class Encoded:
     """A sample ready to be written: the skeleton prefix followed by the raw buffers at their offsets.
 
-    Args:
-        head: magic, skeleton length and skeleton.
-        raws: each raw buffer with its offset in the range.
-        nbytes: length of the range.
-        page_offset: with :data:`LENDABLE` buffers, the range must be written at an offset ``o`` of a page-aligned
-            mapping such that ``(o + page_offset) % PAGE == 0`` (a multiple of 64); ``None`` without them.
+    ``head``: magic, skeleton length and skeleton; ``raws``: each raw buffer with its offset; ``nbytes``: the
+    range's length; ``page_offset``: with :data:`LENDABLE` buffers, write the range at an offset ``o`` of a
+    page-aligned mapping such that ``(o + page_offset) % PAGE == 0``; else ``None``.
 
     Examples:
         >>> import torch
@@ -140,15 +129,8 @@ class _Encoder:
 def encode(sample: Any) -> Encoded:
     """Split ``sample`` into a pickled skeleton and the raw bytes of its dense tensors and arrays.
 
-    The raw buffers are views of the sample's own memory (no copy yet): write the result before the sample
-    is modified.
-
-    Args:
-        sample: a tensor, array, number, string, bytes, or a list/tuple/dict/named tuple of these; other
-            objects are pickled.
-
-    Returns:
-        The encoded sample; :attr:`Encoded.nbytes` is the size of the range it needs.
+    Other objects than tensors, arrays and their containers are pickled. The raw buffers are views of the sample's
+    own memory: write the result before the sample is modified.
 
     Examples:
         >>> import numpy as np
@@ -224,13 +206,9 @@ def decode(buf: memoryview, borrow: Borrow | None = None) -> Any:
     """Rebuild a sample from a range written by :meth:`Encoded.write_into`; the result never aliases ``buf``.
 
     Args:
-        buf: the encoded range (at least as long as the sample's ``nbytes``).
-        borrow: called with ``(offset, nbytes)`` of each tensor or array buffer of :data:`LENDABLE` bytes or
-            more; a view it returns becomes that tensor's or array's memory instead of a copy, so it must be
-            private to the caller (a copy-on-write mapping). ``None`` (the default) copies everything.
-
-    Returns:
-        A sample equal to the encoded one, with the same container types, dtypes and shapes.
+        buf: the encoded range.
+        borrow: called with ``(offset, nbytes)`` of each buffer of :data:`LENDABLE` bytes or more; a view it
+            returns (private to the caller: a copy-on-write mapping) becomes that buffer. ``None``: copy all.
 
     Raises:
         ValueError: ``buf`` does not start with an encoded sample.

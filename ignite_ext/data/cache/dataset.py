@@ -1,11 +1,6 @@
 """A shared in-memory sample cache for map-style datasets: load once, then serve every worker and rank from RAM.
 
-:class:`CachedDataset` wraps any map-style dataset. The first read of an index loads it from the wrapped dataset and
-stores it, serialised compactly, in a shared-memory arena (:mod:`ignite_ext.data.cache.arena`), or, once that is
-full, in the optional disk tier (:mod:`ignite_ext.data.cache.tiers`); every later read of that index by any
-DataLoader worker of the rank (``scope="rank"``) or by any rank of the node (``scope="node"``) is served from there:
-small tensors and arrays are copied out, large ones lent as private copy-on-write views
-(:mod:`ignite_ext.data.cache._cow`). See the cache guide for the guarantees, the memory model and the sampler pairings.
+See the cache guide for the guarantees, the memory model and the sampler pairings.
 
 .. versionadded:: 0.1.0
 """
@@ -31,9 +26,7 @@ from ignite_ext.data.cache.tiers import checker, create_tiers, disk_option, node
 from ignite_ext.data.cache.transforms import FrozenTransformWarning, warn_if_frozen
 from ignite_ext.data.fork_safety import warn_if_forks_can_hang
 
-# ignite and ignite_ext.distributed are imported only where a rank's main process needs them (construction and
-# stats in a distributed job): a process alone, and a DataLoader worker that unpickles the dataset (spawn), load
-# neither, and workers forked from a process alone do not pay for them (see ._world).
+# ignite and ignite_ext.distributed are imported only where a rank's main process needs them (see ._world).
 
 # CacheStats (defined in .stats) and the warning re-exported: users meet them here.
 __all__ = ["CacheStats", "CachedDataset", "FrozenTransformWarning"]
@@ -54,61 +47,32 @@ class CachedDataset(Dataset[Any]):
     """Serve the samples of ``dataset`` from a shared-memory cache after their first load.
 
     The cache is created in the constructing process (a rank's main process) and reaches DataLoader workers by
-    pickling (of the cache, only its shared-memory name travels; workers map it on first use), so it works with the
-    ``fork`` and ``spawn`` start methods and with or without ``persistent_workers``. Samples are stored as a small
-    header plus the raw bytes of their tensors and arrays. Every read returns tensors and arrays of its own (copies
-    under 128 KiB, private copy-on-write views of the cache from 128 KiB up, which cost no copy unless written to):
-    modifying a sample never changes the cache, nor what a later read gets. Nothing is evicted: once the cache is
-    full, samples not in it are loaded from ``dataset`` each time they are read (and counted as misses). The one
-    exception is asked for: a cache told what its readers will read (:meth:`follow`, which a
-    :class:`~ignite_ext.data.ShardedDistributedSampler` with ``mix > 0`` calls each epoch) evicts the rest and
-    reuses its space; its reads are then copies, large ones included.
-
-    With ``disk_dir``, what does not fit ``capacity_bytes`` goes to a second tier: one file in that node-local
-    directory, of the same layout and with the same guarantees as the RAM one, shared the same way (by the rank's
-    workers, or by the node's ranks), so that a dataset larger than RAM is still loaded once. Reads look in RAM,
-    then on disk; each sample is stored in the first tier with room for it (see
-    :mod:`~ignite_ext.data.cache.tiers`).
+    pickling (only its files' names travel), with any start method, persistent workers or not. Every read returns
+    tensors and arrays of its own (copies under 128 KiB, private copy-on-write views from 128 KiB up): modifying a
+    sample never changes the cache. Nothing is evicted: once the cache is full, samples not in it are loaded from
+    ``dataset`` at each read (misses), unless the cache is told what its readers will read (:meth:`follow`). With
+    ``disk_dir``, what does not fit ``capacity_bytes`` goes to a disk tier of the same guarantees.
 
     Args:
         dataset: a map-style dataset (``len()`` and integer indexing).
-        scope: ``"rank"``: one cache per process that constructs a ``CachedDataset``, shared by its DataLoader
-            workers. ``"node"``: one cache per node, shared by all ranks of the node; then every rank must
-            construct it (collectively, through :mod:`ignite.distributed`), over the same dataset, and the
-            node's local rank 0 creates it (with its own ``capacity_bytes``).
-        capacity_bytes: bytes of sample data the cache may hold. ``None``: half of the free space of
-            ``/dev/shm`` at construction, less what this user's live caches may still claim; with
-            ``scope="rank"`` in a distributed job, that half is split evenly between the ranks of the node.
-        transform: applied to every sample read, after the cache, in the process that reads it (a DataLoader
-            worker): ``transform(sample)``, where ``sample`` is what ``dataset[index]`` returned. The cache holds
-            the untransformed sample, so a random augmentation is drawn anew on every read. (Torchvision's
-            ``transforms.v2`` accept ``(image, label)`` pairs as they are.) When ``dataset`` has a ``transform``,
-            ``target_transform`` or ``transforms`` attribute that is not None, rank 0 warns once
-            (:class:`~ignite_ext.data.cache.FrozenTransformWarning`): that one runs inside ``dataset[index]``
-            and is cached.
-        name: what the cache is of. ``None``: :func:`~ignite_ext.data.cache.identity.default_name`, the
-            dataset's type, length and a cheap fingerprint of its public attributes, the same in every process.
-            With ``scope="node"`` the ranks of a node pair their caches by the order of construction, and every
-            rank raises unless the paired caches have the same name, the same samples at the first, middle and
-            last index (:func:`~ignite_ext.data.cache.identity.sample_fingerprint`: each rank loads those three
-            samples once at construction, outside the cache) and, with the default name, were constructed from
-            the same line (:func:`~ignite_ext.data.cache.identity.construction_site`). So a rank that builds its
-            validation cache first never reads the training samples. A ``name`` given stands for the line: it
-            pairs caches of the same dataset constructed from different lines on different ranks.
+        scope: ``"rank"``: one cache per constructing process, shared by its DataLoader workers. ``"node"``: one
+            per node, shared by its ranks, which all construct it (a collective); local rank 0 creates it.
+        capacity_bytes: bytes of sample data the cache may hold. ``None``: half of ``/dev/shm``'s free space less
+            what this user's live caches may still claim (with ``scope="rank"``, split between the node's ranks).
+        transform: applied to every sample read, after the cache, in the process that reads it:
+            ``transform(dataset[index])``, so a random augmentation is drawn anew on every read. A ``transform``
+            (``target_transform``, ``transforms``) attribute of ``dataset`` runs inside it and is cached: rank 0
+            warns (:class:`~ignite_ext.data.cache.FrozenTransformWarning`).
+        name: what the cache is of; ``None``: :func:`~ignite_ext.data.cache.identity.default_name`. A node's ranks
+            pair their node caches by the order of construction, and raise unless the pairs have the same name,
+            samples and, with the default name, construction line (see :mod:`~ignite_ext.data.cache.identity`).
         disk_dir: a directory on the node's own disk (never a shared filesystem, see
             :mod:`~ignite_ext.data.cache.disk`) for the disk tier; None: no disk tier. With ``scope="node"``
             every rank of a node must pass the same one (or None), and every rank checks its own.
-        disk_bytes: bytes of sample data the disk tier may hold. ``None``: half of the free space of
-            ``disk_dir`` at construction, less what this user's live caches there may still claim (split
-            between the ranks of the node like ``capacity_bytes``). With ``scope="node"``, the local rank 0's.
-        persist: keep the disk tier after the job (opt-in; needs ``disk_dir``, on the node's own disk): the next
-            job on the node whose cache has the same identity (name, length, sampled content, ``version``, and
-            for ``scope="rank"`` the local rank) serves from it at once. Every sample then goes to the disk tier
-            (read through the page cache), none to RAM, so ``capacity_bytes`` does not apply. Each job checks a
-            few samples against ``dataset`` when it opens one, and rebuilds it on a difference
-            (:class:`~ignite_ext.data.cache.persist.StaleCacheWarning`); the user's persisted caches in a
-            directory share a cap (``IGNITE_EXT_PERSIST_BYTES``, by default half of its filesystem), the least
-            recently used deleted first. See :mod:`~ignite_ext.data.cache.persist` for what the identity sees.
+        disk_bytes: bytes of sample data the disk tier may hold; ``None``: as ``capacity_bytes``, in ``disk_dir``.
+        persist: keep the disk tier after the job (needs ``disk_dir``): the next job on the node whose cache has
+            the same identity serves from it at once. Every sample then goes to the disk tier, none to RAM
+            (``capacity_bytes`` does not apply). See :mod:`~ignite_ext.data.cache.persist`.
         version: the user's name for the data's version (with ``persist``): a new one is a new cache. Pass one
             when files of the dataset change in place.
 
@@ -120,16 +84,12 @@ class CachedDataset(Dataset[Any]):
         disk_dir: the disk tier's directory (resolved), or None.
 
     Raises:
-        ValueError: ``scope`` is unknown, ``capacity_bytes`` or ``disk_bytes`` is not positive, ``name`` is not a
-            non-empty string, ``disk_bytes`` or ``persist`` comes without ``disk_dir``, ``capacity_bytes`` with
-            ``persist``, ``version`` without ``persist``, ``disk_dir`` is not an existing,
-            writable directory, or (node scope) the ranks of a node wrap datasets of different lengths, names,
-            construction sites (default name) or sampled content, or pass different ``disk_dir``. With
-            ``scope="node"`` on every rank, whichever rank it concerns.
+        ValueError: an argument is invalid or does not go with the others, ``disk_dir`` is not an existing,
+            writable directory, or (node scope) the paired caches of a node differ. With ``scope="node"`` on every
+            rank, whichever rank it concerns.
         TypeError: ``transform`` is not callable.
-        ShmSpaceError: ``/dev/shm`` cannot hold the cache (too little free space for the index plus 1 MiB of data
-            by default, or less than ``capacity_bytes`` plus the index), or ``disk_dir`` cannot hold the disk
-            tier (likewise, with ``disk_bytes``). With ``scope="node"`` on every rank.
+        ShmSpaceError: ``/dev/shm`` (or ``disk_dir``) cannot hold the tier: less free space than its index plus
+            1 MiB by default, or plus ``capacity_bytes`` (``disk_bytes``). With ``scope="node"`` on every rank.
 
     Examples:
         >>> import torch
@@ -146,8 +106,6 @@ class CachedDataset(Dataset[Any]):
         >>> noisy = CachedDataset([torch.zeros(2)], capacity_bytes=1 << 20, transform=lambda x: x + torch.rand(2))
         >>> bool((noisy[0] != noisy[0]).all()), noisy.stats().hits
         (True, 1)
-        >>> noisy.name
-        'builtins.list[1]#...'
         >>> noisy.close()
 
         A disk tier takes what RAM cannot (here 64 bytes of RAM: room for one small sample):
@@ -242,8 +200,7 @@ class CachedDataset(Dataset[Any]):
         self.disk_dir = disk.directory if disk is not None else None
         self._slot: tuple[int, int] | None = None
         self._loading: LoadingAhead | None = None  # the process loading the next epoch's arrivals, if any
-        # The pid that warned about an uncacheable sample: one warning per dataset and process (each DataLoader
-        # worker is a process of its own and warns at most once), not one per read.
+        # The pid that warned about an uncacheable sample: one warning per dataset and process, not one per read.
         self._warned_pid: int | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -274,9 +231,8 @@ class CachedDataset(Dataset[Any]):
     def used_bytes(self) -> int:
         """Bytes of the RAM tier's data area in use: what it holds, and space nothing reuses yet.
 
-        That is the samples stored, the bookkeeping of a cache that follows (:meth:`follow`), and ranges lost
-        to a writer's crash or to another writer of the same sample. In a cache that follows, the space of evicted
-        samples is reused before this grows.
+        That is the samples stored, a following cache's bookkeeping and the space of evicted samples (reused before
+        this grows), and ranges lost to a writer's crash or to another writer of the same sample.
 
         .. versionadded:: 0.4.0
         """
@@ -324,8 +280,7 @@ class CachedDataset(Dataset[Any]):
     def __getitems__(self, indices: list[int]) -> list[Any]:
         """The samples at ``indices``: ``[self[i] for i in indices]``, for less. A DataLoader calls it per batch.
 
-        The hits in RAM are served without the per-sample bookkeeping of ``self[i]`` and counted once per call,
-        which matters when a sample is small enough for that bookkeeping to be a fair part of what reading it costs.
+        The hits in RAM are served without the per-sample bookkeeping of ``self[i]``, counted once per call.
 
         Examples:
             >>> import torch
@@ -388,31 +343,22 @@ class CachedDataset(Dataset[Any]):
         """Keep only ``indices`` in the cache: evict the other samples, and store new ones in the space they held.
 
         For a sampler whose shards change a little every epoch (a :class:`~ignite_ext.data.ShardedDistributedSampler`
-        with ``mix > 0`` calls it for you, each epoch): given what the cache's readers read in the coming epoch
-        (this rank's shard, or with ``scope="node"`` its node's), the samples that left are evicted and those that
-        arrive are stored in their place as they are first read, so the cache holds the shard, not the shard plus
-        everything that ever passed through it. Samples of ``indices`` not cached yet are not loaded here.
+        with ``mix > 0`` calls it each epoch): the samples that left the coming epoch's shard are evicted, and
+        those that arrive are stored in their place as they are first read. From the first call on, the cache
+        *follows*: every read copies the sample out (large ones included); what was cached before stays where it
+        is. A call with the indices of the call before does nothing, so every rank of a node may make it.
 
-        From the first call on, the cache *follows*: every read copies the sample out of the cache (its space may
-        be handed to another sample), large tensors and arrays included, which are otherwise lent copy-on-write;
-        what was cached before the first call stays where it is. A call with the same indices as the call before
-        does nothing, so every rank of a node may make the same call. Evictions are counted in
-        :meth:`stats` (``evictions``, ``evicted_bytes``).
-
-        With ``ahead`` (the samples that arrive next epoch; the sampler's ``load_ahead=True``), those are kept too,
-        and loaded and stored meanwhile by a process this call starts (on a node cache, only on the node's local
-        rank 0), niced below the DataLoader workers, until the first one the cache has no room for: next epoch
-        they are hits. That process is killed at the next call and at :meth:`close`, and dies with the thread that
-        started it. The cache then holds the shard plus the samples arriving next (``f`` of a shard more). A
-        persisted cache (``persist=True``) does not follow: what it holds is for the next jobs too.
+        With ``ahead`` (the sampler's ``load_ahead=True``), those samples are kept too, and loaded meanwhile by a
+        niced process this call starts (on a node cache, on local rank 0 only) until the cache is full; it is
+        killed at the next call and at :meth:`close`. A persisted cache does not follow. See the cache guide's
+        *Following shards that mix*.
 
         Args:
             indices: the dataset indices to keep.
             ahead: indices to keep as well, and to load ahead of their first read.
 
         Returns:
-            Whether the cache follows: False when its capacity cannot spare the bookkeeping (about 16 bytes per
-            sample of the dataset); then nothing is evicted, as before.
+            Whether the cache follows: False (nothing evicted) when its capacity cannot spare the bookkeeping.
 
         Raises:
             ValueError: an index is out of range.
@@ -481,14 +427,11 @@ class CachedDataset(Dataset[Any]):
 
         Args:
             reduce: ``"rank"``: this rank only (no communication). ``"node"`` or ``"world"``: summed over the
-                ranks of this node or of the world with a collective, so *every rank must call it*. With
-                ``scope="node"`` the node sum of ``entries``/``bytes`` is what the node's cache holds.
+                ranks of this node or of the world with a collective, so *every rank must call it*.
 
         Raises:
-            ValueError: ``reduce`` is not one of ``"rank"``, ``"node"``, ``"world"``, or the ranks that reduce
-                passed different values. In a distributed job an invalid or mismatched value still takes part in
-                the collective, and then every rank raises, so none is left waiting. (A rank that passes
-                ``"rank"`` does not communicate: if the others reduce, they wait for it.)
+            ValueError: ``reduce`` is unknown, or the ranks that reduce passed different values: then every rank
+                raises, none is left waiting (a rank that passes ``"rank"`` does not communicate).
 
         Examples:
             >>> from ignite_ext.data import CachedDataset

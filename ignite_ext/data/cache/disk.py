@@ -1,20 +1,11 @@
 """The directory of a cache's disk tier: the checks of ``disk_dir``, and whether it is on a network filesystem.
 
-A :class:`~ignite_ext.data.CachedDataset` with ``disk_dir=`` keeps what does not fit its RAM in a second arena
-(:mod:`~ignite_ext.data.cache.arena`, the same layout) in that directory. It must be on the node's own disk:
-
-* the node's ranks and workers share the file through its pages in the node's page cache, and the file is only
-  written and read on this node: on a filesystem other hosts mount it gains nothing but network traffic;
-* the sweep of stale arenas (:func:`~ignite_ext.data.cache.shm.sweep_stale`) judges a creator dead when its pid
-  does not run *on this host* and nobody holds its ``flock``. On a directory other hosts share, a live creator on
-  another host fails the first test, and the second fails too where ``flock`` is node-local (GPFS, NFS mounted
-  ``nolock``): such a sweep could delete another host's live cache.
-
-So a directory on a network filesystem gets a :class:`NetworkFilesystemWarning` and is never swept (the user's
-stale files there stay until deleted by hand). The check is a heuristic: the filesystem type of the mount whose
-device (``major:minor`` in ``/proc/self/mountinfo``) is the directory's ``st_dev``, looked up in
-:data:`NETWORK_FILESYSTEMS`. A filesystem it does not know, or a device it does not find (some btrfs subvolumes),
-counts as local.
+The disk tier belongs on the node's own disk: elsewhere it gains nothing but network traffic, and the sweep, which
+judges a creator dead by its pid *on this host* and a ``flock`` that is node-local on GPFS or NFS ``nolock``, could
+delete another host's live cache. So a directory on a network filesystem gets a :class:`NetworkFilesystemWarning`
+and is never swept. The check is a heuristic: the filesystem type of the mount whose device (``major:minor`` in
+``/proc/self/mountinfo``) is the directory's ``st_dev``, looked up in :data:`NETWORK_FILESYSTEMS`; a filesystem it
+does not know, or a device it does not find (some btrfs subvolumes), counts as local.
 
 .. versionadded:: 0.2.0
 """
@@ -29,40 +20,20 @@ __all__ = ["MOUNTINFO", "NETWORK_FILESYSTEMS", "NetworkFilesystemWarning", "chec
 
 #: Where this process's mounts are listed, with their devices and filesystem types.
 MOUNTINFO = "/proc/self/mountinfo"
+# fmt: off
 #: Filesystem types (as ``/proc/self/mountinfo`` names them) that other hosts mount too.
-NETWORK_FILESYSTEMS = frozenset(
-    {
-        "nfs",
-        "nfs4",
-        "lustre",
-        "gpfs",
-        "cifs",
-        "smb3",
-        "smbfs",
-        "ceph",
-        "glusterfs",
-        "beegfs",
-        "afs",
-        "panfs",
-        "wekafs",
-        "gfs2",
-        "ocfs2",
-        "fuse.sshfs",
-        "fuse.glusterfs",
-        "fuse.ceph-fuse",
-        "fuse.s3fs",
-        "fuse.gcsfuse",
-        "fuse.juicefs",
-        "fuse.rclone",
-    }
-)
+NETWORK_FILESYSTEMS = frozenset({
+    "nfs", "nfs4", "lustre", "gpfs", "cifs", "smb3", "smbfs", "ceph", "glusterfs", "beegfs", "afs", "panfs", "wekafs",
+    "gfs2", "ocfs2", "fuse.sshfs", "fuse.glusterfs", "fuse.ceph-fuse", "fuse.s3fs", "fuse.gcsfuse", "fuse.juicefs",
+    "fuse.rclone",
+})
+# fmt: on
 
 
 class NetworkFilesystemWarning(IgniteExtError, UserWarning):
     """A cache's ``disk_dir`` is on a filesystem that other hosts mount: it gains nothing and is not swept.
 
-    A :class:`UserWarning` and an :class:`~ignite_ext.errors.IgniteExtError`. Give the disk tier a directory on
-    the node's own disk (a local SSD: often ``/tmp``, ``/local`` or ``/scratch/local`` on clusters).
+    Give the disk tier a directory on the node's own disk (often ``/tmp``, ``/local`` or ``/scratch/local``).
 
     .. versionadded:: 0.2.0
     """
@@ -70,9 +41,6 @@ class NetworkFilesystemWarning(IgniteExtError, UserWarning):
 
 def check_disk_dir(disk_dir: str | os.PathLike[str]) -> str:
     """``disk_dir`` resolved (``os.path.realpath``), once it is known to be a directory this user can fill.
-
-    Args:
-        disk_dir: the directory of a cache's disk tier.
 
     Raises:
         ValueError: it is not a path, does not exist, is not a directory, cannot be written and searched by this

@@ -16,20 +16,12 @@ __all__ = ["CacheStatsHandler"]
 class CacheStatsHandler:
     """Report a :class:`~ignite_ext.data.CachedDataset`'s hit rate at the end of every epoch.
 
-    At each ``EPOCH_COMPLETED`` it reads :meth:`CachedDataset.stats` (reduced over ``reduce``), logs the epoch's
-    hit rate (hits and misses since the previous epoch; with a disk tier, the hits of each tier) with the engine's
-    logger and stores, in ``engine.state.metrics``, where metric loggers such as ignite's TensorBoard handler pick
-    them up (``metric_names="all"``):
-
-    * of the epoch: ``"<name>/hit_rate"``, ``"<name>/hits"`` and ``"<name>/misses"``, and per tier
-      ``"<name>/ram_hits"``, ``"<name>/disk_hits"``, ``"<name>/ram_hit_rate"``, ``"<name>/disk_hit_rate"`` and
-      ``"<name>/miss_rate"`` (the three rates sum to 1);
-    * what the cache holds: ``"<name>/entries"`` and ``"<name>/bytes"`` (both tiers), ``"<name>/disk_entries"``
-      and ``"<name>/disk_bytes"``.
-
-    The per-tier metrics are there with or without a disk tier (then the disk ones are 0).
-
-    With ``reduce="node"`` or ``"world"`` the stats are a collective: attach the handler on every rank.
+    At each ``EPOCH_COMPLETED`` it reads :meth:`CachedDataset.stats` (reduced over ``reduce``: with ``"node"`` or
+    ``"world"`` a collective, so attach it on every rank), logs the epoch's hit rate with the engine's logger and
+    stores in ``engine.state.metrics`` (where metric loggers such as ignite's TensorBoard handler pick them up):
+    of the epoch, ``"<name>/hit_rate"``, ``hits``, ``misses``, ``ram_hits``, ``disk_hits``, ``ram_hit_rate``,
+    ``disk_hit_rate`` and ``miss_rate`` (the three rates sum to 1); what the cache holds, ``"<name>/entries"``,
+    ``bytes``, ``disk_entries`` and ``disk_bytes`` (the disk ones 0 without a disk tier).
 
     Args:
         dataset: the cache to report on.
@@ -68,12 +60,7 @@ class CacheStatsHandler:
         self._name = "cache"
 
     def attach(self, engine: Engine, name: str = "cache") -> None:
-        """Run at every ``EPOCH_COMPLETED`` of ``engine``, writing metrics prefixed ``"<name>/"``.
-
-        Args:
-            engine: the engine whose epochs consume ``dataset``.
-            name: prefix of the metric names.
-        """
+        """Run at every ``EPOCH_COMPLETED`` of ``engine`` (whose epochs read the dataset), as ``"<name>/"`` metrics."""
         self._name = name
         self._last = self.dataset.stats(self.reduce)  # only what this engine's epochs read counts
         engine.add_event_handler(Events.EPOCH_COMPLETED, self)
@@ -99,25 +86,9 @@ class CacheStatsHandler:
         }
         for key, value in metrics.items():
             engine.state.metrics[f"{self._name}/{key}"] = value
-        head = (engine.state.epoch, self._name, 100.0 * epoch.hit_rate, epoch.hits)
-        if self.dataset.disk_dir is None:
-            engine.logger.info(
-                "Epoch[%s] %s: hit rate %.1f%% (%d hits, %d misses), %d entries, %d bytes",
-                *head,
-                epoch.misses,
-                now.entries,
-                now.bytes,
-            )
-            return
-        engine.logger.info(
-            "Epoch[%s] %s: hit rate %.1f%% (%d hits: %d from RAM, %d from disk; %d misses), "
-            "%d entries (%d on disk), %d bytes (%d on disk)",
-            *head,
-            epoch.ram_hits,
-            epoch.disk_hits,
-            epoch.misses,
-            now.entries,
-            now.disk_entries,
-            now.bytes,
-            now.disk_bytes,
-        )
+        hits, entries, nbytes = f"{epoch.hits} hits,", f"{now.entries} entries", f"{now.bytes} bytes"
+        if self.dataset.disk_dir is not None:
+            hits = f"{epoch.hits} hits: {epoch.ram_hits} from RAM, {epoch.disk_hits} from disk;"
+            entries, nbytes = f"{entries} ({now.disk_entries} on disk)", f"{nbytes} ({now.disk_bytes} on disk)"
+        head = f"Epoch[{engine.state.epoch}] {self._name}: hit rate {100.0 * epoch.hit_rate:.1f}%"
+        engine.logger.info(f"{head} ({hits} {epoch.misses} misses), {entries}, {nbytes}")

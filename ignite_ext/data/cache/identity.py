@@ -1,40 +1,10 @@
 """What a dataset is, for telling caches apart: the default ``name=`` of a cache, and what pairs node caches.
 
-The ranks of a node pair their node caches by the order of construction (see
-:class:`~ignite_ext.data.CachedDataset`). Each rank then checks, in the one agreement of the construction, that
-what it pairs is the same thing on every rank of the node, by three things:
-
-* the *name* (:func:`checked_name`): the ``name=`` given, or :func:`default_name`;
-* with the default name only, the *construction site* (:func:`construction_site`): the file and line of the
-  ``CachedDataset(...)`` call outside this package, and how many caches that line constructed before in this
-  process, so caches built in a loop at one line pair in order, and caches built at different lines never pair;
-* the *sampled content* (:func:`sample_fingerprint`): a SHA-256 of the samples at :func:`fingerprint_indices`
-  (first, middle and last), which two different datasets of the same type, length and attributes do not share.
-
-:func:`default_name` is made of the dataset's type, its length and a fingerprint of what describes it, and it
-costs O(1): no sample is loaded, nothing is hashed in proportion to the dataset's size. What describes an object
-(:func:`describe`):
-
-* ``None``, booleans, numbers, strings, bytes, ranges, enum members and paths (``os.PathLike``): their ``repr``
-  (strings and bytes of more than 256 characters: their length and 64 characters at each end);
-* lists and tuples: their length, first and last items;
-* tensors and arrays (anything with ``shape`` and ``dtype``): their type, dtype and shape, not their values;
-* any other object that has attributes (``vars()``), such as a dataset or a wrapped dataset (``Subset``,
-  ``ConcatDataset``): its type and its public attributes (names not starting with ``_``), described in turn;
-* anything else (functions, transforms, locks, file handles): its type only.
-
-Three levels deep at most. So ``MNIST(root, train=True)`` and ``MNIST(root, train=False)`` differ by ``train`` (and
-length), two ``ImageFolder`` by ``root`` and their first and last samples' paths, two ``Subset`` of one dataset
-by their indices' length and ends. The digest is SHA-256 (never the per-process salted ``hash()``).
-
-What the name cannot tell apart are datasets that differ only in what it does not look at: private attributes, the
-middle of lists, values of tensors, the state of arbitrary objects (two lists of tensors, one of training samples
-and one of validation samples, get the same default name). The construction site and the sampled content tell
-those apart when they are built at different lines, or differ in their first, middle or last sample. What nothing
-here tells apart: two datasets built at the same line and occurrence (a loop whose order differs between ranks)
-whose first, middle and last samples are equal. Conversely, a public attribute that differs between ranks (a rank
-number, a per-process temporary path) makes the default names differ, and a node cache then refuses to pair
-them: pass the same ``name=`` on every rank (which also pairs caches built at different lines on different ranks).
+The ranks of a node pair their node caches by the order of construction, and check in the construction's one
+agreement that each pair is one thing: the same *name* (:func:`checked_name`: the ``name=`` given, or
+:func:`default_name`, O(1): no sample loaded), with the default name the same *construction site*
+(:func:`construction_site`), and the same *sampled content* (:func:`sample_fingerprint`). The cache guide's
+*Node scope* says what each tells apart, and what none does.
 
 .. versionadded:: 0.2.0
 .. versionchanged:: 0.3.0
@@ -61,25 +31,20 @@ import torch
 if TYPE_CHECKING:
     from _hashlib import HASH
 
-__all__ = [
-    "checked_name",
-    "construction_site",
-    "default_name",
-    "describe",
-    "fingerprint_indices",
-    "sample_fingerprint",
-]
+__all__ = ["checked_name", "construction_site", "default_name", "describe", "fingerprint_indices", "sample_fingerprint"]
 
 _DEPTH = 3
 _LONG, _ENDS = 256, 64  # strings and bytes longer than _LONG are described by their length and _ENDS at each end
 
 
 def describe(value: Any, depth: int = _DEPTH) -> str:
-    """A text that describes ``value`` cheaply and deterministically (see the module docstring for the rules).
+    """A text that describes ``value`` cheaply and deterministically, looking ``depth`` levels deep.
 
-    Args:
-        value: what to describe.
-        depth: how many levels of containers and attributes to look into.
+    ``None``, booleans, numbers, strings, bytes, ranges, enum members and paths: their ``repr`` (strings and bytes
+    of more than 256 characters: their length and 64 characters at each end); lists and tuples: their length, first
+    and last items; tensors and arrays (``shape`` and ``dtype``): type, dtype and shape, not values; any other
+    object with attributes (``vars()``), such as a wrapped dataset: its type and public attributes, described in
+    turn; anything else (functions, locks, file handles): its type only.
 
     Examples:
         >>> from pathlib import PurePosixPath
@@ -123,9 +88,6 @@ def describe(value: Any, depth: int = _DEPTH) -> str:
 def default_name(dataset: Any) -> str:
     """``<module>.<type>[<length>]#<12 hex digits of SHA-256 of describe(dataset)>``.
 
-    Args:
-        dataset: a map-style dataset.
-
     Examples:
         >>> from ignite_ext.data.cache.identity import default_name
         >>> class Digits:
@@ -146,10 +108,6 @@ def default_name(dataset: Any) -> str:
 
 def checked_name(dataset: Any, name: str | None) -> str:
     """``name``, once it is known to be a non-empty string; :func:`default_name` of ``dataset`` when it is None.
-
-    Args:
-        dataset: a map-style dataset.
-        name: the ``name=`` a cache was given.
 
     Raises:
         ValueError: ``name`` is neither None nor a non-empty string.
@@ -176,15 +134,10 @@ _constructions: dict[str, int] = {}
 def construction_site() -> str:
     """``<file>:<line>#<k>``: where the caller was called from outside this package, and the how-manieth time.
 
-    The frame is the first one, from the caller outward, whose file is not in ``ignite_ext``: the line of the
-    user's ``CachedDataset(...)`` (or of the ``super().__init__`` of a subclass, or of a helper function of the
-    user's that constructs caches). The file is its base name, as the scheduler compares call sites: ranks may run
-    one script from different directories. ``k`` counts the calls from that line in this process, from 1, so
-    caches constructed in a loop at one line are told apart by their order. Every call counts: call it exactly
-    once per construction, on every rank alike.
-
-    Returns:
-        ``"<base name of the file>:<line>#<k>"``.
+    The frame is the first one, from the caller outward, whose file is not in ``ignite_ext`` (the user's
+    ``CachedDataset(...)``, a subclass's ``super().__init__``, a helper of the user's); the file by its base name
+    (ranks may run one script from different directories). ``k`` counts the calls from that line in this process,
+    from 1, so caches constructed in a loop pair by their order: call it once per construction, on every rank.
 
     Examples:
         >>> from ignite_ext.data.cache.identity import construction_site
@@ -204,14 +157,8 @@ def construction_site() -> str:
 def fingerprint_indices(n: int) -> tuple[int, ...]:
     """The indices :func:`sample_fingerprint` reads in a dataset of ``n`` samples: ``0``, ``n // 2`` and ``n - 1``.
 
-    Without repeats, in increasing order: none for an empty dataset, fewer than three below three samples. The
-    first and last sample tell apart most splits and shards; the middle one, datasets that share their ends.
-
-    Args:
-        n: the dataset's length.
-
-    Returns:
-        The indices, in increasing order.
+    Without repeats, in increasing order (fewer below three samples). The first and last sample tell apart most
+    splits and shards; the middle one, datasets that share their ends.
 
     Examples:
         >>> from ignite_ext.data.cache.identity import fingerprint_indices
@@ -226,24 +173,12 @@ def fingerprint_indices(n: int) -> tuple[int, ...]:
 def sample_fingerprint(dataset: Any) -> str:
     """12 hex digits of a SHA-256 of ``len(dataset)`` and the samples at :func:`fingerprint_indices`.
 
-    Loads at most three samples, whatever the dataset's size, with ``dataset[i]``, in this process, and hashes all of
-    their contents: tensors (dense, on any device) and NumPy arrays by their dtype, shape and every byte of their
-    data; strings, bytes and numbers by their value; lists, tuples, named tuples and dicts by their items in order;
-    sets by their items in any order; anything else by its pickle (PIL images, for instance), or by its type when
-    it does not pickle. Sparse and quantized tensors count by their dtype, shape and layout only.
-
-    The reads are seeded: torch's CPU generator and the global generators of :mod:`random` and NumPy are seeded
-    with the index before each read and restored afterwards, so a dataset that draws a random augmentation inside
-    ``__getitem__`` from them gets the same fingerprint on every rank. A dataset with a generator of its own gets
-    a different one on each rank. A dataset object with attributes is read through a shallow copy, so state that it
-    opens on its first read (an HDF5 or LMDB handle, set as an attribute) is not left open in this process, for
-    DataLoader workers to inherit; what a wrapped dataset opens (inside a ``Subset``) is, as with any read.
-
-    Args:
-        dataset: a map-style dataset.
-
-    Returns:
-        12 lowercase hex digits, the same in every process for the same samples.
+    Loads at most three samples, in this process, and hashes all of their contents: tensors and arrays by dtype,
+    shape and every byte; strings, bytes and numbers by value; containers by their items (sets in any order);
+    anything else by its pickle, or its type. Sparse and quantized tensors count by dtype, shape and layout only.
+    The reads are seeded (torch's CPU generator, :mod:`random` and NumPy, restored afterwards), so a random
+    augmentation drawn from them inside ``__getitem__`` fingerprints alike on every rank. A dataset object is read
+    through a shallow copy, so a handle it opens on its first read (HDF5, LMDB) is not left open for the workers.
 
     Raises:
         Exception: whatever ``dataset[i]`` raises.

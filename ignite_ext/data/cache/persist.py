@@ -1,24 +1,11 @@
 """Caches that outlive their job (``persist=True``): the disk tier kept in ``disk_dir``, keyed by what it holds.
 
-A persisted cache is a disk arena (:mod:`~ignite_ext.data.cache.arena`, the same layout and publish-when-complete
-protocol) named ``ignite_ext_<uid>_persist_<key>.arena`` (and ``.lock``, mode 0600), where ``<key>`` is a digest of
-its *identity* (:func:`persist_key`): the cache's name, its length, the fingerprint of its dataset's sampled content
-(:func:`~ignite_ext.data.cache.identity.sample_fingerprint`), the user's ``version=``, and for a rank's own cache
-(``scope="rank"``) its local rank. The next job whose cache has the same identity opens that file and serves from it;
-a cache of another identity never sees it.
-
-What the identity cannot see: a file of the dataset changed in place, if neither its first, middle and last samples
-nor the ``version=`` changed. So every time a job opens a persisted cache it checks a few more samples against
-the dataset (:func:`stale_sample`: published ones drawn at random; the first, middle and last are in the key
-already): on any difference it warns (:class:`StaleCacheWarning`) and rebuilds the cache from nothing. Pass a new
-``version=`` when the data changes.
-
-Lifetime. The name carries no pid, so the sweep of stale arenas never takes it; every process that uses it holds a
-shared ``flock`` on it, and the lock file's modification time records its last use. Whenever a job opens one, the
-user's persisted caches in the directory are brought under the cap (:func:`persist_cap`,
-``IGNITE_EXT_PERSIST_BYTES``): the least recently used ones that no process holds are deleted, whole, until the
-bytes they take on disk fit (never one in use, never the one being opened). Other users' files are never opened,
-counted or deleted (names with the user id, owned by the user, regular files, never through a link).
+A persisted cache is a disk arena named ``ignite_ext_<uid>_persist_<key>.arena`` (and ``.lock``, mode 0600),
+``<key>`` a digest of its identity (:func:`persist_key`); the next job of the same identity serves from it. Each
+job that opens one checks a few samples drawn at random against the dataset (:func:`stale_sample`) and rebuilds it
+on a difference (:class:`StaleCacheWarning`). The name carries no pid, so no sweep takes it; users hold a shared
+``flock`` on it, the lock file's time records its last use, and each opening brings the user's persisted caches
+under their cap (:func:`persist_cap`, :func:`evict`). The cache guide's *Across jobs* says what the identity sees.
 
 .. versionadded:: 0.3.0
 """
@@ -29,25 +16,20 @@ import contextlib
 import os
 import random
 import re
-import stat
 from collections.abc import Callable
 from typing import Any
 
 from ignite_ext.data.cache.identity import fingerprint_indices
 from ignite_ext.data.cache.restart import cache_key
-from ignite_ext.data.cache.shm import remove_files, unused
+from ignite_ext.data.cache.shm import own_files, remove_files, unused
 from ignite_ext.errors import IgniteExtError
 
+# fmt: off
 __all__ = [
-    "PERSIST_RE",
-    "StaleCacheWarning",
-    "checked_indices",
-    "evict",
-    "persist_cap",
-    "persist_key",
-    "persisted_stem",
+    "PERSIST_RE", "StaleCacheWarning", "checked_indices", "evict", "persist_cap", "persist_key", "persisted_stem",
     "stale_sample",
 ]
+# fmt: on
 
 #: The names of persisted caches' files: the user's id, the identity's key, the kind of file.
 PERSIST_RE = re.compile(r"^ignite_ext_(?P<uid>\d+)_persist_(?P<key>[0-9a-f]{16})\.(?P<kind>arena|lock)$")
@@ -59,9 +41,6 @@ CHECKED_AT_RANDOM = 3
 
 class StaleCacheWarning(IgniteExtError, RuntimeWarning):
     """A persisted cache held samples that differ from its dataset's now (or could not be kept): it is rebuilt.
-
-    A :class:`RuntimeWarning`, and, like everything the package raises, an
-    :class:`~ignite_ext.errors.IgniteExtError`.
 
     Examples:
         >>> import warnings
@@ -129,20 +108,13 @@ def persist_cap(directory: str) -> int:
 
 def _own_persisted(directory: str) -> dict[str, tuple[int, float]]:
     """This user's persisted caches in ``directory``: arena path -> (bytes on disk, last use)."""
-    uid = os.geteuid()
     found: dict[str, tuple[int, float]] = {}
-    with contextlib.suppress(FileNotFoundError), os.scandir(directory) as entries:
-        for entry in entries:
-            match = PERSIST_RE.match(entry.name)
-            if match is None or int(match["uid"]) != uid or match["kind"] != "arena":
-                continue
-            try:
-                st = entry.stat(follow_symlinks=False)
-                used = os.stat(entry.path[: -len(".arena")] + ".lock", follow_symlinks=False).st_mtime
-            except OSError:
-                continue
-            if stat.S_ISREG(st.st_mode) and st.st_uid == uid:
-                found[entry.path] = (st.st_blocks * 512, used)
+    for name, match, st in own_files(directory, PERSIST_RE):
+        path = os.path.join(directory, name)
+        with contextlib.suppress(OSError):
+            if match["kind"] == "arena":
+                lock = os.stat(path[: -len(".arena")] + ".lock", follow_symlinks=False)
+                found[path] = (st.st_blocks * 512, lock.st_mtime)
     return found
 
 
@@ -178,8 +150,8 @@ def evict(directory: str, keep: str, cap: int) -> list[str]:
 def checked_indices(n: int, published: Callable[[int], bool], seed: int) -> list[int]:
     """The indices a job checks on opening a persisted cache: a few published ones, drawn at random.
 
-    Drawn among a few dozen indices (O(1), whatever ``n``), kept where ``published``; never the first, middle and
-    last (:func:`~ignite_ext.data.cache.identity.fingerprint_indices`), whose content is in the cache's key.
+    Drawn among a few dozen indices (O(1)), in the order drawn, kept where ``published``; never the first, middle
+    and last (:func:`~ignite_ext.data.cache.identity.fingerprint_indices`), whose content is in the cache's key.
 
     Examples:
         >>> from ignite_ext.data.cache.persist import checked_indices
@@ -188,15 +160,12 @@ def checked_indices(n: int, published: Callable[[int], bool], seed: int) -> list
         (3, True)
 
     .. versionadded:: 0.3.0
-
     .. versionchanged:: 0.4.0
-        The first indices drawn are checked, not the lowest of those drawn (which were nearly always the lowest
-        published indices of the dataset).
+        The first indices drawn are checked, not the lowest of those drawn.
     """
     fixed = list(fingerprint_indices(n))
     rng = random.Random(seed)
-    # Kept in the order drawn (a dict keeps it, and drops repeats): the first few drawn, not the lowest, so that
-    # every published index is as likely to be checked as any other.
+    # A dict keeps the order drawn and drops repeats: every published index is as likely to be checked as any other.
     drawn = {i: None for i in (rng.randrange(n) for _ in range(48 if n else 0)) if i not in fixed and published(i)}
     return list(drawn)[:CHECKED_AT_RANDOM]
 
@@ -204,8 +173,7 @@ def checked_indices(n: int, published: Callable[[int], bool], seed: int) -> list
 def stale_sample(lookup: Callable[[int], memoryview | None], dataset: Any, n: int, seed: int) -> int | None:
     """The first checked index whose published bytes differ from its sample in ``dataset`` now, or None.
 
-    ``lookup(i)``: the published bytes of index ``i`` in the cache, or None. Each checked index that is published is
-    loaded from ``dataset`` once and encoded as the cache stores it (:func:`~ignite_ext.data.cache.codec.encode`).
+    ``lookup(i)``: the published bytes of index ``i``, or None; each checked index is loaded and encoded as stored.
 
     Examples:
         >>> from ignite_ext.data.cache.codec import encode

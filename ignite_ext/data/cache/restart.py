@@ -1,34 +1,11 @@
-"""Restarts within a job: the caches a restarted worker group adopts from the attempt before it.
+"""Restarts within a job: the stamps by which a restarted worker group adopts the caches of the attempt before.
 
-torchrun restarts its worker group (``--max-restarts``) with new processes, and the caches of the attempt before
-stay on the node: their creators are dead and nobody holds their liveness lock, so the next cache created there
-would sweep them, and the new attempt would load its whole shard from storage again. Instead, an arena is stamped
-when it is created with two header words, and a cache of the restarted group adopts the arena of the attempt
-before whose stamps are its own:
-
-* the *job* (:func:`job_key`): set only in an elastic worker (``TORCHELASTIC_RUN_ID`` in the environment, as
-  torchrun sets it), from the run id and the agent that started this process (its parent: its
-  :func:`~ignite_ext._fs.process_identity`, which holds this host's boot, the pid and its start time). A restarted
-  group has the same agent; a later job has another one, even with the same run id (torchrun's default ``rdzv_id``
-  is ``none`` for every job), so it adopts nothing of an earlier job;
-* the *cache* (:func:`cache_key`): its name, its construction site (unless ``name=`` was given), its length, its
-  number of counter rows, the sampled fingerprint of a node cache, the local rank for a rank's own cache, and the
-  tier. Within a job the code is the same, so each cache of the attempt before has exactly one successor.
-
-Adoption happens under the user's creation lock of the directory, before any sweep: the arena and its lock file are
-renamed to the adopter's names (an arena the adopter's sweep must not take for stale), then checked
-(:meth:`Arena.consistent <ignite_ext.data.cache.arena.Arena.consistent>`: the layout of its header, and every
-published entry inside the used part of the data area); its hit and miss counters start again at zero, its entries
-and bytes stay. What a writer had not published when it was killed stays unpublished, so no reader ever sees it.
-An arena that fails a check is deleted and the cache starts empty.
-
-An elastic worker's arenas are also stamped with its *agent* (:func:`agent_stamp`: its pid and a digest of its
-:func:`~ignite_ext._fs.process_identity`, two more header words). Arenas that no cache adopts (yet) are left to their
-successors by every sweep while their job's agent lives (:func:`agent_lives`), whoever sweeps: a cache of the same
-job, of another job of the user, or :func:`~ignite_ext.data.cache.shm.sweep_stale` on demand. They never hold more
-than the attempt before held; the first cache created after the agent ended sweeps them. A rank that torchrun's agent
-SIGTERMs leaves its arenas for the restart in the same way, while that agent lives (a rank SIGTERMed outside an
-elastic worker deletes them, as at a normal exit).
+An arena is stamped at creation with its *job* (:func:`job_key`: the run id and the agent that started this
+elastic worker, so a later job, even with torchrun's default run id, adopts nothing), its *cache*
+(:func:`cache_key`: what tells the job's caches apart, so each has one successor) and its *agent*
+(:func:`agent_stamp`): every sweep leaves an arena to its successor while that agent lives (:func:`agent_lives`).
+Adoption itself (renamed, checked, counters restarted) is the file's life's (:mod:`~ignite_ext.data.cache._life`);
+the cache guide's *Restarts within a job* says what a user sees.
 
 .. versionadded:: 0.3.0
 .. versionchanged:: 0.4.0
@@ -113,9 +90,7 @@ def agent_stamp() -> tuple[int, int]:
 def agent_lives(pid: int, digest: int) -> bool:
     """Whether the agent stamped as ``pid`` and ``digest`` (:func:`agent_stamp`) still runs on this host.
 
-    The same pid is not enough: a pid reused after the agent's death has another start time, hence another digest.
-    An arena of another pid namespace or boot, or stamped with no agent (zeros: outside an elastic worker, or by a
-    version before 0.4.0), has no living agent here.
+    A reused pid has another start time, hence another digest; zeros (no agent) never live.
 
     Examples:
         >>> import os
@@ -149,10 +124,8 @@ def cache_key(*parts: object) -> int:
 def leaving_for_a_restart(terminated: bool) -> bool:
     """Whether this process ends as an attempt that its agent restarts: failed or SIGTERMed, with a restart left.
 
-    A failure is an exception no code caught (the interpreter records it before the exit handlers run, which is
-    where the cache's files are deleted) or a ``SIGTERM`` (``terminated``); a restart is left while
-    ``TORCHELASTIC_RESTART_COUNT`` is below ``TORCHELASTIC_MAX_RESTARTS`` (both set by torchrun's agent for its
-    node). On the last attempt, or outside an elastic worker, nothing comes after: the files go.
+    A failure is an exception no code caught (recorded before the exit handlers run) or a ``SIGTERM``
+    (``terminated``); a restart is left while ``TORCHELASTIC_RESTART_COUNT`` is below ``TORCHELASTIC_MAX_RESTARTS``.
 
     Args:
         terminated: whether this process was SIGTERMed (see :mod:`~ignite_ext.data.cache._sigterm`).

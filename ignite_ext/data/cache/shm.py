@@ -1,20 +1,11 @@
-"""The shared-memory directory that caches live in: free space, what live caches may still claim, stale arenas.
+"""The directory that caches live in (``/dev/shm``, or a disk tier's): free space, claims, stale arenas.
 
-Arenas are named ``ignite_ext_<uid>_<pid>_cache_<random>.arena`` (with a ``.lock`` beside), ``<uid>`` and ``<pid>``
-being the user and the process that created the cache: with the liveness ``flock`` that process holds on it, that
-is how :func:`sweep_stale` tells an arena left by a killed run from one in use. An arena left by an elastic worker
-waits for its restarted group while the job's agent lives (:func:`agent_lives`): no sweep takes it.
-
-The directory is shared with other users (``/dev/shm`` is world-writable), so everything here considers only the
-caller's own files: named with its user id *and* owned by it (a regular file, not a link), since anyone can
-create a file of any name. Another user's arenas, stale or live, and files forged to look like the caller's (a
-sparse file with a huge apparent size, a name of a live pid) are never opened, counted or deleted. Caches that
-are created at the same moment take turns on the user's own creation lock, ``ignite_ext_<uid>.lock`` (an empty
-file left in place: deleting a lock file others may be opening would let two of them hold it); if another user
-has taken that name first, creation goes ahead without it rather than not at all.
-
-A cache's disk tier lives in a directory of the node's disk instead (:mod:`~ignite_ext.data.cache.disk`); every
-function here takes that directory too, and the same names and rules apply there.
+Arenas are named ``ignite_ext_<uid>_<pid>_cache_<random>.arena`` (with a ``.lock`` beside): with the liveness
+``flock`` their creator holds, that is how :func:`sweep_stale` tells a killed run's arena from one in use. Anyone
+may create a file of any name here, so only the caller's own files count: named with its user id *and* owned by
+it, regular, never through a link (see the cache guide's *Other users*). Creations take turns on the user's
+creation lock, ``ignite_ext_<uid>.lock``, an empty file left in place (deleting a lock file others may be opening
+would let two of them hold it); where another user took that name, creation goes ahead without it.
 
 .. versionadded:: 0.2.0
 """
@@ -34,25 +25,13 @@ from ignite_ext.data.cache import restart
 from ignite_ext.data.cache._mapping import H_AGENT, H_AGENT_ID, H_MAGIC, H_VERSION, MAGIC, VERSION
 from ignite_ext.errors import ShmSpaceError
 
+# fmt: off
 __all__ = [
-    "DEFAULT_FRACTION",
-    "MIN_CAPACITY",
-    "NAME_RE",
-    "SHM_DIR",
-    "ShmSpaceError",
-    "agent_lives",
-    "arena_stem",
-    "available_bytes",
-    "directory_lock",
-    "header_words",
-    "mapped_pss",
-    "orphaned_arenas",
-    "promised_bytes",
-    "remove_files",
-    "stale_arenas",
-    "sweep_stale",
-    "unused",
+    "DEFAULT_FRACTION", "MIN_CAPACITY", "NAME_RE", "SHM_DIR", "ShmSpaceError", "agent_lives", "arena_stem",
+    "available_bytes", "directory_lock", "header_words", "mapped_pss", "orphaned_arenas", "own_files",
+    "promised_bytes", "remove_files", "stale_arenas", "sweep_stale", "unused",
 ]
+# fmt: on
 
 #: Where arenas live: a tmpfs, so their pages are RAM shared by every process that maps them.
 SHM_DIR = "/dev/shm"
@@ -80,13 +59,21 @@ def arena_stem(directory: str) -> str:
     return os.path.join(directory, f"ignite_ext_{os.geteuid()}_{os.getpid()}_cache_{secrets.token_hex(8)}")
 
 
-def _own_files(directory: str) -> list[tuple[str, re.Match[str], os.stat_result]]:
-    """This user's arena and lock files in ``directory``: name, its match and ``lstat``; nothing of anyone else's."""
+def own_files(directory: str, names: re.Pattern[str] = NAME_RE) -> list[tuple[str, re.Match[str], os.stat_result]]:
+    """This user's files in ``directory`` whose names match ``names``: name, match, ``lstat``; nobody else's.
+
+    Examples:
+        >>> from ignite_ext.data.cache.shm import own_files
+        >>> own_files("/nonexistent")
+        []
+
+    .. versionadded:: 0.5.0
+    """
     uid = os.geteuid()
     found = []
     with contextlib.suppress(FileNotFoundError), os.scandir(directory) as entries:
         for entry in entries:
-            match = NAME_RE.match(entry.name)
+            match = names.match(entry.name)
             if match is None or (match["uid"] is not None and int(match["uid"]) != uid):
                 continue
             try:
@@ -128,9 +115,7 @@ def available_bytes(directory: str = SHM_DIR) -> int:
 def promised_bytes(directory: str = SHM_DIR) -> int:
     """Bytes that this user's cache arenas in ``directory`` may still allocate: their capacity not yet backed by pages.
 
-    Other users' arenas are not counted (nor can a file of theirs, however large it claims to be, shrink this
-    user's caches): what they fill meanwhile is free space that is gone, which :meth:`Arena.reserve
-    <ignite_ext.data.cache.arena.Arena.reserve>` handles by serving samples uncached.
+    Other users' arenas are not counted: what they fill is free space gone (then samples are served uncached).
 
     Examples:
         >>> import shutil, tempfile
@@ -146,7 +131,7 @@ def promised_bytes(directory: str = SHM_DIR) -> int:
     .. versionadded:: 0.1.0
     """
     return sum(
-        max(0, st.st_size - st.st_blocks * 512) for _, match, st in _own_files(directory) if match["kind"] == "arena"
+        max(0, st.st_size - st.st_blocks * 512) for _, match, st in own_files(directory) if match["kind"] == "arena"
     )
 
 
@@ -165,7 +150,7 @@ def orphaned_arenas(directory: str = SHM_DIR) -> list[str]:
     me = os.getpid()
     return [
         os.path.join(directory, name)
-        for name, match, _ in _own_files(directory)
+        for name, match, _ in own_files(directory)
         if match["kind"] == "arena" and int(match["pid"]) != me and not pid_alive(int(match["pid"]))
     ]
 
@@ -212,8 +197,7 @@ def header_words(path: str, count: int) -> tuple[int, ...] | None:
 def agent_lives(path: str) -> bool:
     """Whether this user's arena ``path`` is stamped with an elastic job's agent that still runs on this host.
 
-    Such an arena waits for the job's restarted worker group to adopt it (see :mod:`~ignite_ext.data.cache.restart`:
-    the agent's pid and a digest of its identity, so a reused pid is not the agent).
+    Such an arena waits for the job's restarted worker group (see :mod:`~ignite_ext.data.cache.restart`).
 
     Examples:
         >>> from ignite_ext.data.cache.shm import agent_lives
@@ -231,11 +215,8 @@ def agent_lives(path: str) -> bool:
 def sweep_stale(directory: str = SHM_DIR, keep: Callable[[str], bool] | None = None) -> list[str]:
     """Delete this user's arenas (and lock files) of caches whose creating process is gone; return the removed paths.
 
-    An arena is only removed when both its creator pid is dead and nobody holds its liveness lock, so an arena
-    of a live process (also one in another pid namespace sharing this tmpfs) is never touched. Only the caller's
-    own files are considered (see the module docstring); one that cannot be opened or deleted is skipped. An arena
-    whose elastic job's agent lives (:func:`agent_lives`) is left for that job's restarted group, whichever job
-    sweeps; so is one for which ``keep(path)`` is true.
+    Removed only when its creator pid is dead and nobody holds its liveness lock (so never a live process's, even
+    in another pid namespace), and it is not left for a restarted group (:func:`agent_lives`) or ``keep(path)``.
 
     Examples:
         >>> from ignite_ext.data.cache.shm import sweep_stale
@@ -253,7 +234,7 @@ def sweep_stale(directory: str = SHM_DIR, keep: Callable[[str], bool] | None = N
         if not agent_lives(path) and (keep is None or not keep(path)):
             removed += remove_files([path, path[: -len(".arena")] + ".lock"])
     me = os.getpid()
-    for name, match, _ in _own_files(directory):
+    for name, match, _ in own_files(directory):
         path = os.path.join(directory, name)
         pid = int(match["pid"])
         orphan = match["kind"] == "lock" and not os.path.lexists(path[: -len(".lock")] + ".arena")
@@ -328,8 +309,7 @@ def remove_files(paths: Iterable[str]) -> list[str]:
 def mapped_pss(path: str, pids: Iterable[int]) -> int:
     """Sum, over ``pids``, of the proportional set size (bytes) of their mappings of ``path``.
 
-    Shared pages count ``1/k`` in each of the ``k`` processes mapping them, so the sum is the memory the file's
-    mapped pages really take, however many processes map it.
+    Shared pages count ``1/k`` in each of the ``k`` processes mapping them: the sum is what they really take.
 
     Examples:
         >>> import os

@@ -15,25 +15,21 @@ __all__ = ["CacheStats"]
 class CacheStats:
     """Counters of a :class:`~ignite_ext.data.CachedDataset`, over both of its tiers.
 
-    ``hits``, ``entries`` and ``bytes`` count both tiers together (as before the disk tier existed); the
-    ``disk_*`` fields count the disk tier's share of them, and the ``ram_*`` properties the rest. Without a disk
-    tier the ``disk_*`` fields are 0. Every read is exactly one of a RAM hit, a disk hit or a miss.
+    ``hits``, ``entries`` and ``bytes`` count both tiers; the ``disk_*`` fields the disk tier's share, the ``ram_*``
+    properties the rest. Every read is exactly one of a RAM hit, a disk hit or a miss.
 
     Args:
         hits: reads served from the cache (RAM or disk).
-        misses: reads that loaded from the wrapped dataset (including those that could not be stored because
-            both tiers were full, or because another process stored the index first).
+        misses: reads that loaded from the wrapped dataset (stored or not).
         entries: samples stored in the cache (by the processes counted), in either tier.
         bytes: bytes of those samples in the cache.
         disk_hits: the reads among ``hits`` served from the disk tier.
         disk_entries: the samples among ``entries`` stored in the disk tier.
         disk_bytes: the bytes among ``bytes`` stored in the disk tier.
-        evictions: entries evicted (either tier) because they left the shard the cache follows
-            (:meth:`CachedDataset.follow <ignite_ext.data.CachedDataset.follow>`): the cache holds
-            ``entries - evictions`` of the samples its processes stored.
+        evictions: entries evicted because they left the shard the cache follows
+            (:meth:`~ignite_ext.data.CachedDataset.follow`).
         evicted_bytes: the bytes of those entries.
-        loaded_ahead: samples loaded from the wrapped dataset and stored ahead of their first read (``follow(...,
-            ahead=...)``); not reads, so neither hits nor misses. Storage reads are ``misses + loaded_ahead``.
+        loaded_ahead: samples loaded and stored ahead of their first read (``follow(..., ahead=...)``): not reads.
 
     Examples:
         >>> from ignite_ext.data import CacheStats

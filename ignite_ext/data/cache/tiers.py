@@ -1,25 +1,12 @@
-"""Where a cache keeps its samples: a RAM arena in ``/dev/shm``, then, optionally, a disk arena in ``disk_dir``.
+"""Where a cache keeps its samples: its tiers, fastest first (RAM in ``/dev/shm``, then any disk tiers).
 
-Both tiers are :class:`~ignite_ext.data.cache.arena.Arena` files of the same layout, with the same
-publish-when-complete protocol, locks, liveness ``flock``, names and sweep; they differ only in where the file
-is. The RAM one lives in a tmpfs, so its pages are RAM that nothing reclaims. The disk one lives in a node-local
-directory (:mod:`~ignite_ext.data.cache.disk`) and is mapped the same way, so its hot pages are served from the
-kernel's page cache, which the kernel reclaims under memory pressure (then a read goes to the disk).
-
-*Placement*: a sample that was read and is in neither tier is stored in the first tier with room for it (the
-RAM tier until its capacity is used, then the disk tier until ``disk_bytes`` is used); when neither has room, it
-is served uncached. *Lookup*: RAM first, then disk. A sample is stored at most once per tier; two processes
-missing the same index at the same moment may, rarely, store it once in each tier (the RAM copy then serves it).
-
-*Counting*: each tier counts its own hits, entries and bytes in its own counter slots; misses are counted in the
-RAM tier. :meth:`Tiers.totals` adds them up in the order of
-:class:`~ignite_ext.data.cache.stats.CacheStats`' fields.
-
-*Creation*: :func:`create_tiers` in one process; :func:`node_tiers` for a node, collectively: one
-:func:`~ignite_ext.distributed.agree` in which every rank checks its own arguments (name, ``disk_dir``,
-``disk_bytes``), fingerprints its dataset's samples (:mod:`~ignite_ext.data.cache.identity`) and the node's local
-rank 0 creates both files, so a bad argument or a sample that fails to load on any rank, caches that do not pair
-(name, construction site, samples), or a tier that does not fit on a creating rank, raise on every rank.
+Every tier is an :class:`~ignite_ext.data.cache.arena.Arena` file of the same layout and protocol; a :class:`Tier`
+says where it lives and by what rules it is made (see the cache guide's *The disk tier* for the page cache's part).
+*Placement*: a sample read and held by no tier goes to the first tier with room for it, or is served uncached.
+*Lookup*: fastest first; two processes missing one index at once may, rarely, store it in two tiers. *Counting*:
+each tier counts its own hits, entries and bytes; misses and loads ahead count in the first (:meth:`Tiers.totals`).
+:func:`node_tiers` makes a node's tiers in one :func:`~ignite_ext.distributed.agree`: a bad argument, a sample
+that fails to load, caches that do not pair or a tier that does not fit, on any rank, raise on every rank.
 
 .. versionadded:: 0.2.0
 """
@@ -41,28 +28,17 @@ from ignite_ext.data.cache.identity import checked_name, construction_site, fing
 from ignite_ext.data.cache.persist import StaleCacheWarning, persist_key, stale_sample
 from ignite_ext.data.cache.restart import NO_JOB, cache_key, job_key
 
+# fmt: off
 __all__ = [
-    "DiskOption",
-    "DiskTier",
-    "RamTier",
-    "Tier",
-    "Tiers",
-    "checker",
-    "create_tiers",
-    "disk_option",
-    "node_tiers",
-    "open_tiers",
-    "persisted_as",
+    "DiskOption", "DiskTier", "RamTier", "Tier", "Tiers", "checker", "create_tiers", "disk_option", "node_tiers",
+    "open_tiers", "persisted_as",
 ]
+# fmt: on
 
 
 @dataclass(frozen=True)
 class DiskOption:
-    """A disk tier asked for: directory (resolved), capacity (``None``: the default), persistence, data version.
-
-    ``persist``: whether it outlives the job (see :mod:`~ignite_ext.data.cache.persist`); ``version``: the user's
-    name for the data's version then.
-    """
+    """A disk tier asked for: directory (resolved), capacity (``None``: the default), persistence, data version."""
 
     directory: str
     nbytes: int | None
@@ -71,25 +47,19 @@ class DiskOption:
 
 
 def disk_option(
-    disk_dir: str | os.PathLike[str] | None,
-    disk_bytes: int | None,
-    persist: bool = False,
-    version: str | None = None,
+    disk_dir: str | os.PathLike[str] | None, disk_bytes: int | None, persist: bool = False, version: str | None = None
 ) -> DiskOption | None:
     """The disk tier that ``disk_dir``, ``disk_bytes``, ``persist`` and ``version`` ask for, checked; None for none.
 
     Raises:
-        ValueError: ``disk_bytes`` or ``persist`` without ``disk_dir``, ``disk_bytes`` not a positive integer,
-            ``version`` without ``persist`` or not a string, or a bad ``disk_dir`` (see
+        ValueError: an argument is invalid, comes without another it needs, or ``disk_dir`` is bad (see
             :func:`~ignite_ext.data.cache.disk.check_disk_dir`).
 
     Examples:
-        >>> from ignite_ext.data.cache.tiers import disk_option
-        >>> disk_option(None, None) is None
-        True
         >>> import tempfile
-        >>> disk_option(tempfile.gettempdir(), 1 << 20).nbytes
-        1048576
+        >>> from ignite_ext.data.cache.tiers import disk_option
+        >>> disk_option(None, None) is None, disk_option(tempfile.gettempdir(), 1 << 20).nbytes
+        (True, 1048576)
         >>> disk_option(None, 1 << 20)
         Traceback (most recent call last):
         ...
@@ -207,8 +177,7 @@ class DiskTier:
 class Tiers:
     """The arenas of one cache, fastest first: RAM, then each further tier (a disk tier, if there is one).
 
-    With ``persisted``, new samples go to the tiers after the first only (they outlive the job, RAM does not). It
-    pickles as its arenas, that is as their paths (see :class:`~ignite_ext.data.cache.arena.Arena`).
+    With ``persisted``, new samples go to the tiers after the first only. It pickles as its arenas' paths.
 
     Examples:
         >>> import shutil, tempfile
@@ -284,9 +253,8 @@ class Tiers:
     def follow(self, keep: Sequence[int] | Any) -> tuple[int, int, bool]:
         """Keep only the indices of ``keep`` in every tier: ``(evicted, evicted_bytes, following)`` over the tiers.
 
-        See :meth:`Arena.follow <ignite_ext.data.cache.arena.Arena.follow>`; ``following`` is whether every tier
-        follows. A persisted cache (see :mod:`~ignite_ext.data.cache.persist`) does not follow: what it holds is
-        for the next jobs too.
+        See :meth:`Arena.follow <ignite_ext.data.cache.arena.Arena.follow>`; ``following``: whether every tier
+        follows. A persisted cache does not follow: what it holds is for the next jobs too.
 
         .. versionadded:: 0.4.0
         """
@@ -360,22 +328,13 @@ def create_tiers(
     persisted: tuple[object, ...] = (),
     stale: Callable[[Arena], int | None] | None = None,
 ) -> Tiers:
-    """The RAM tier and, with ``disk``, a disk tier of a cache of ``n`` samples (:func:`open_tiers`).
+    """The :class:`RamTier` and, with ``disk``, a :class:`DiskTier` of a cache of ``n`` samples (:func:`open_tiers`).
 
-    ``rows`` and ``share`` are those of :meth:`Arena.create <ignite_ext.data.cache.arena.Arena.create>`. A disk
-    directory on a network filesystem gets a :class:`~ignite_ext.data.cache.disk.NetworkFilesystemWarning` and
-    is not swept. With ``disk.persist``, the disk tier is the persisted cache of that ``persisted`` (with the disk
-    option's ``version``: :mod:`~ignite_ext.data.cache.persist`) and holds every sample (the RAM tier none); when it
-    was there already, ``stale(arena)`` names a sample that differs from the dataset's (or None), and a stale one
-    is rebuilt.
-
-    .. versionchanged:: 0.3.0
-       ``identity``, ``persisted`` and ``stale``.
-
-    Raises:
-        ShmSpaceError: a tier does not fit its directory (then neither file is left).
+    With ``disk.persist`` every sample goes to the disk tier, none to RAM.
 
     .. versionadded:: 0.2.0
+    .. versionchanged:: 0.3.0
+       ``identity``, ``persisted`` and ``stale``.
     """
     if disk is not None and disk.persist:
         capacity = ALIGN  # the smallest: every sample goes to the persisted tier
@@ -476,12 +435,9 @@ def node_tiers(
 ) -> tuple[Tiers, str, DiskOption | None]:
     """Create the node's tiers on its local rank 0 and attach them on the other ranks of the node (collective).
 
-    Every rank sends its node, local rank, length, cache name, construction site
-    (:func:`~ignite_ext.data.cache.identity.construction_site`), sample fingerprint
-    (:func:`~ignite_ext.data.cache.identity.sample_fingerprint`, on nodes of more than one rank), checked
-    ``disk_dir`` and (local rank 0) the paths of the tiers it created; the ranks of each node must agree on the
-    length, the name, the site (unless ``name`` is given), the fingerprint and the ``disk_dir``, or every rank
-    raises. Returns the tiers, this rank's name and its disk option.
+    The ranks of each node must agree on the length, the name, the construction site (unless ``name`` is given),
+    the sample fingerprint (:mod:`~ignite_ext.data.cache.identity`) and the ``disk_dir``, or every rank raises.
+    Returns the tiers, this rank's name and its disk option.
 
     .. versionadded:: 0.2.0
     .. versionchanged:: 0.3.0
@@ -493,8 +449,7 @@ def node_tiers(
     from ignite_ext.distributed.agreement import disagreement
 
     node, local_rank = idist.get_node_rank(), idist.get_local_rank()
-    # Outside the agreed step, so that every rank counts this construction even where the step fails on one rank:
-    # the next construction at this line must still pair with the others' next one.
+    # Outside the agreed step: every rank counts this construction, so the next one at this line still pairs.
     site = construction_site()
     created: list[Tiers] = []
     disk: list[DiskOption | None] = []

@@ -1,9 +1,8 @@
 """Transforms and the cache: augment after it, and a warning when the wrapped dataset transforms inside it.
 
-A cache stores what ``dataset[index]`` returns. Torchvision's datasets (and many others) apply their
-``transform`` there, so a random augmentation would be drawn once, cached and served forever. The remedy is
-:class:`CachedDataset(dataset, transform=...) <ignite_ext.data.CachedDataset>`: the cache holds the decoded sample
-and the transform runs on every read; :func:`warn_if_frozen` points to it.
+A cache stores what ``dataset[index]`` returns, where torchvision's datasets apply their ``transform``: a random
+augmentation would be drawn once and served forever. :func:`warn_if_frozen` points to the remedy,
+:class:`CachedDataset(dataset, transform=...) <ignite_ext.data.CachedDataset>`, which runs it on every read.
 
 .. versionadded:: 0.2.0
 """
@@ -21,14 +20,9 @@ __all__ = ["FrozenTransformWarning", "warn_if_frozen"]
 class FrozenTransformWarning(IgniteExtError, UserWarning):
     """A wrapped dataset applies a transform inside ``__getitem__``: the cache would serve its first output forever.
 
-    A :class:`UserWarning`, and, like everything the package raises, an
-    :class:`~ignite_ext.errors.IgniteExtError` (where warnings are turned into errors).
-
-    Torchvision's datasets apply ``transform`` (and ``target_transform``) when a sample is read: cached, a random
-    augmentation is drawn once and then frozen. Pass the augmentation to
-    :class:`CachedDataset(dataset, transform=...) <ignite_ext.data.CachedDataset>` instead. A deterministic
-    transform (decoding, ``ToTensor``, ``Normalize``) is worth caching; silence the warning for it with
-    ``warnings.filterwarnings("ignore", category=FrozenTransformWarning)``.
+    Pass the augmentation to :class:`CachedDataset(dataset, transform=...) <ignite_ext.data.CachedDataset>`
+    instead. A deterministic transform (decoding, ``ToTensor``, ``Normalize``) is worth caching: silence the
+    warning with ``warnings.filterwarnings("ignore", category=FrozenTransformWarning)``.
 
     .. versionadded:: 0.2.0
     """
@@ -48,10 +42,8 @@ def _short_repr(value: Any) -> str:
 def warn_if_frozen(dataset: Any, depth: int = 3, stacklevel: int = 1) -> None:
     """Warn about the first transform that ``dataset[index]`` applies (looking into wrapped datasets too).
 
-    Args:
-        dataset: the dataset a cache wraps.
-        depth: how many levels of wrapping (``.dataset``, ``.datasets``) to look into.
-        stacklevel: as for :func:`warnings.warn`, counted from the caller of this function.
+    ``depth``: the levels of wrapping (``.dataset``, ``.datasets``) to look into; ``stacklevel``: as for
+    :func:`warnings.warn`, from the caller of this function.
 
     Examples:
         >>> import warnings
@@ -76,9 +68,8 @@ def warn_if_frozen(dataset: Any, depth: int = 3, stacklevel: int = 1) -> None:
         if value is not None:
             warnings.warn(
                 f"{type(dataset).__qualname__} applies its {attribute}={_short_repr(value)} inside __getitem__, so "
-                "the cache "
-                "stores that output of the first read and serves it on every later read: a random augmentation "
-                "is frozen at its first draw. Build the dataset without it and pass it to "
+                "the cache stores that output of the first read and serves it on every later read: a random "
+                "augmentation is frozen at its first draw. Build the dataset without it and pass it to "
                 "CachedDataset(dataset, transform=...), which applies it after the cache on every read. If it is "
                 "deterministic (decoding, ToTensor, Normalize), caching its output is what you want: silence this "
                 "with warnings.filterwarnings('ignore', category=FrozenTransformWarning).",
