@@ -95,7 +95,8 @@ def _finalize(path: str, creator: int, liveness_fd: int, keep: bool) -> None:
     # Forked children inherit the finalizer registry: only the creating process may delete the files.
     if os.getpid() != creator:
         return
-    # An attempt that fails or is SIGTERMed with a restart left leaves its arenas to the restarted group.
+    # Kept: a persisted cache (it outlives its job), and the arenas of an attempt that fails or is SIGTERMed with a
+    # restart left (for the restarted group, as a SIGKILLed attempt leaves them).
     if not keep and not (restart.leaving_for_a_restart(_sigterm.terminating()) and shm.agent_lives(path)):
         remove_files([path, path[: -len(".arena")] + ".lock"])
     with contextlib.suppress(OSError):

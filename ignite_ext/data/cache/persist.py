@@ -111,8 +111,8 @@ def _own_persisted(directory: str) -> dict[str, tuple[int, float]]:
     found: dict[str, tuple[int, float]] = {}
     for name, match, st in own_files(directory, PERSIST_RE):
         path = os.path.join(directory, name)
-        with contextlib.suppress(OSError):
-            if match["kind"] == "arena":
+        if match["kind"] == "arena":
+            with contextlib.suppress(OSError):  # its lock file gone meanwhile: not a cache to count
                 lock = os.stat(path[: -len(".arena")] + ".lock", follow_symlinks=False)
                 found[path] = (st.st_blocks * 512, lock.st_mtime)
     return found
