@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import http.server
 import logging
 import os
 import tempfile
+import threading
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 import torch
@@ -32,7 +35,38 @@ from torch.utils.data import Dataset
 
 import ignite_ext.distributed as idist
 from ignite_ext.data import download_url
-from ignite_ext.demo.data import CountingServer
+
+
+class CountingServer(http.server.HTTPServer):
+    """Serves ``folder`` on 127.0.0.1 from a thread, and counts the requests and the bytes it sends."""
+
+    def __init__(self, folder: Path) -> None:
+        self.requests = self.bytes_served = 0
+        server = self
+
+        class Handler(http.server.SimpleHTTPRequestHandler):
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                super().__init__(*args, directory=str(folder), **kwargs)
+
+            def copyfile(self, source: Any, outputfile: Any) -> None:
+                body = source.read()
+                outputfile.write(body)
+                server.bytes_served += len(body)
+
+            def log_request(self, code: Any = "-", size: Any = "-") -> None:
+                server.requests += 1
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass  # no access log on the terminal
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server_address[1]}"
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        """Stop serving and close the socket."""
+        self.shutdown()
+        self.server_close()
 
 
 class MyDataset(Dataset[str]):
@@ -95,13 +129,13 @@ if __name__ == "__main__":
             data = "".join(f"{i},{i * i}\n" for i in range(1000)).encode()
             Path(tmp, "served").mkdir()
             Path(tmp, "served", "squares.csv").write_bytes(data)
-            server = CountingServer(Path(tmp, "served")).__enter__()
+            server = CountingServer(Path(tmp, "served"))
             url, sha256 = f"{server.url}/squares.csv", hashlib.sha256(data).hexdigest()
         if args.fail:
             url = url + ".missing"
         with idist.Parallel(backend="gloo", nproc_per_node=args.nproc, start_method=args.start_method) as parallel:
             parallel.run(training, root, url, sha256)
         if server is not None:
-            server.__exit__()
+            server.close()
             copies = server.bytes_served / len(data)
             print(f"server: {server.requests} request(s), sent {server.bytes_served} bytes ({copies:.2f} copies)")

@@ -10,7 +10,7 @@ so the server sends the archive once for the job: one leader fetches it, the oth
 while it downloads. Without ``relay=True`` (or with ``IGNITE_EXT_RELAY=0``) it would send it twice, once per
 directory, and open no port. ``download_for_job`` is this block in one call.
 
-Offline: the script makes a small archive and serves it on 127.0.0.1.
+Offline: the script makes a small archive of text files and serves it on 127.0.0.1.
 
 Run it::
 
@@ -20,16 +20,63 @@ Run it::
 from __future__ import annotations
 
 import argparse
+import hashlib
+import http.server
+import io
 import logging
 import os
+import tarfile
 import tempfile
+import threading
 from pathlib import Path
+from typing import Any
 
 import ignite_ext.distributed as idist
 from ignite_ext.data import download_url
-from ignite_ext.demo.data import CountingServer, make_archive, sha256_of
 
 RANKS_PER_NODE = 2
+
+
+class CountingServer(http.server.HTTPServer):
+    """Serves ``folder`` on 127.0.0.1 from a thread, and counts the bytes it sends."""
+
+    def __init__(self, folder: Path) -> None:
+        self.bytes_served = 0
+        server = self
+
+        class Handler(http.server.SimpleHTTPRequestHandler):
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                super().__init__(*args, directory=str(folder), **kwargs)
+
+            def copyfile(self, source: Any, outputfile: Any) -> None:
+                body = source.read()
+                outputfile.write(body)
+                server.bytes_served += len(body)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass  # no access log on the terminal
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server_address[1]}"
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        """Stop serving and close the socket."""
+        self.shutdown()
+        self.server_close()
+
+
+def make_archive(folder: Path) -> Path:
+    """Write ``folder/data.tar.gz``: a ``data/`` folder of 50 small text files."""
+    folder.mkdir(parents=True)
+    archive = folder / "data.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        for i in range(50):
+            body = f"sample {i}\n".encode() * 100
+            info = tarfile.TarInfo(f"data/{i:02d}.txt")
+            info.size = len(body)
+            tar.addfile(info, io.BytesIO(body))
+    return archive
 
 
 def fetch(local_rank: int, base: str, url: str, sha256: str) -> None:
@@ -57,11 +104,11 @@ if __name__ == "__main__":
     logging.getLogger("ignite.distributed.launcher.Parallel").setLevel(logging.WARNING)
 
     with tempfile.TemporaryDirectory() as tmp:
-        archive = make_archive(Path(tmp, "served"), train=40, val=10)
-        with (
-            CountingServer(archive.parent) as server,
-            idist.Parallel(backend="gloo", nproc_per_node=args.nproc, start_method=args.start_method) as parallel,
-        ):
-            parallel.run(fetch, str(Path(tmp, "nodes")), f"{server.url}/{archive.name}", sha256_of(archive))
+        archive = make_archive(Path(tmp, "served"))
+        sha256 = hashlib.sha256(archive.read_bytes()).hexdigest()
+        server = CountingServer(archive.parent)
+        with idist.Parallel(backend="gloo", nproc_per_node=args.nproc, start_method=args.start_method) as parallel:
+            parallel.run(fetch, str(Path(tmp, "nodes")), f"{server.url}/{archive.name}", sha256)
+        server.close()
         size = archive.stat().st_size
         print(f"server sent {server.bytes_served} bytes: {server.bytes_served / size:.2f} archives of {size} bytes")
