@@ -9,9 +9,11 @@ process, can hang there. Fixed in 3.9.20, 3.10.15 and 3.11.10 (September 2024); 
 
 The way out: a fixed interpreter, or workers that are not forked from the rank
 (``DataLoader(..., multiprocessing_context="forkserver")``: the fork server is a fresh, single-threaded process).
-A :class:`~ignite_ext.data.CachedDataset` or a :class:`~ignite_ext.data.ShardedDistributedSampler` made while a
-process group is up on such an interpreter says so once per process (:class:`ForkDeadlockWarning`), on each node's
-local rank 0, and so does the cache before it forks its load-ahead process.
+On such an interpreter, a rank that uses a :class:`~ignite_ext.data.CachedDataset` or a
+:class:`~ignite_ext.data.ShardedDistributedSampler` with a process group up warns when it forks: a DataLoader worker
+or the cache's load-ahead process (:class:`ForkDeadlockWarning`). It warns once per node, on its local rank 0, and
+only where a fork happens. Workers started by ``spawn`` or ``forkserver`` get no warning: a rank started by
+``idist.Parallel`` spawns its workers by default.
 
 .. versionadded:: 0.5.0
 """
@@ -22,6 +24,7 @@ import os
 import sys
 import threading
 import warnings
+from types import FrameType
 
 from ignite_ext.errors import IgniteExtError
 
@@ -31,6 +34,7 @@ __all__ = ["FIXED_IN", "ForkDeadlockWarning", "fork_deadlock_possible", "warn_if
 FIXED_IN: dict[tuple[int, int], tuple[int, int, int]] = {(3, 9): (3, 9, 20), (3, 10): (3, 10, 15), (3, 11): (3, 11, 10)}
 
 _warned = threading.Event()
+_armed: list[str] = []  # what the rank uses that forks (the first name told), once a warning may be due
 
 
 class ForkDeadlockWarning(IgniteExtError, UserWarning):
@@ -74,10 +78,13 @@ def _group_up() -> bool:
 
 
 def warn_if_forks_can_hang(what: str) -> bool:
-    """Warn once per process that ``what`` forks a rank on an interpreter with the deadlock; whether it warned.
+    """Warn once per process when this rank, which uses ``what``, forks; whether a warning is now due at a fork.
 
-    It warns where the interpreter has it, a process group is up (its threads are what call into Python), this is
-    its node's local rank 0 (one line per node, not per rank) and it has not warned yet.
+    A warning is due where the interpreter has the deadlock, a process group is up (its threads are what call into
+    Python), this is its node's local rank 0 (one line per node, not per rank) and it has not warned yet. It comes
+    at the rank's next ``os.fork``: a DataLoader worker started by ``fork`` (the loader's
+    ``multiprocessing_context``, or the process's default start method), or the cache's load-ahead process. Workers
+    started by ``spawn`` or ``forkserver`` are not forked from the rank and get none.
 
     Examples:
         >>> from ignite_ext.data.fork_safety import warn_if_forks_can_hang
@@ -85,20 +92,47 @@ def warn_if_forks_can_hang(what: str) -> bool:
         False
 
     .. versionadded:: 0.5.0
+    .. versionchanged:: 0.6.0
+       Warns at the fork itself, not when ``what`` is made: no warning where workers are spawned.
     """
     if _warned.is_set() or not fork_deadlock_possible() or not _group_up():
         return False
     if os.environ.get("LOCAL_RANK", "0") != "0":
         return False
+    if not _armed:
+        _armed.append(what)
+    return True
+
+
+def _warn_before_fork() -> None:
+    """Just before this process forks: the warning, if one is due (see :func:`warn_if_forks_can_hang`)."""
+    if not _armed or _warned.is_set() or not _group_up():
+        return
     _warned.set()
     version = ".".join(map(str, sys.version_info[:3]))
     fixed = ".".join(map(str, FIXED_IN.get(sys.version_info[:2], FIXED_IN[3, 11])))
     warnings.warn(
-        f"{what} on Python {version} with a process group up: a process forked from this rank (a DataLoader "
-        f"worker) can hang before it starts, in CPython's fork deadlock (gh-112275), and the rank then waits for it "
-        f"for ever. Use Python {fixed} or later (3.12, 3.13), or DataLoader(..., "
-        f'multiprocessing_context="forkserver")',
+        f"This rank uses a {_armed[0]} and forks a process (a DataLoader worker, or the cache's load-ahead process) "
+        f"on Python {version} with a process group up. The child can hang before it starts: CPython's fork deadlock "
+        f"(gh-112275). The rank then waits for it for ever. Use Python {fixed} or later (3.12, 3.13), or "
+        f'DataLoader(..., multiprocessing_context="forkserver")',
         ForkDeadlockWarning,
-        stacklevel=3,
+        stacklevel=_caller_level(),
     )
-    return True
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside multiprocessing, torch, ignite and this package: the user's."""
+    # The caller of _warn_before_fork (the code that called os.fork): its own frame is level 1 for warn().
+    frame: FrameType | None = sys._getframe(2)
+    level = 2
+    while frame is not None and any(part in frame.f_code.co_filename for part in _NOT_USERS):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 2
+
+
+_NOT_USERS = tuple(f"{os.sep}{name}{os.sep}" for name in ("multiprocessing", "torch", "ignite", "ignite_ext"))
+
+# Only where it can matter: every other interpreter's forks stay free of the hook.
+if fork_deadlock_possible() and hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_warn_before_fork)

@@ -17,6 +17,7 @@ import sys
 import textwrap
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -175,49 +176,88 @@ def test_a_fixed_interpreter_forks_every_child(tmp_path: Path) -> None:
     assert _run_forks(tmp_path, fixed[0], "fork", 1000) == {"forks": 1000, "hung": 0}
 
 
-# With a one-rank gloo group up, a cache and a sampler are made (twice each); prints the warnings' texts as JSON.
+# argv: "real" or "pretend", the process's default start method, the DataLoaders' multiprocessing_context values
+# ("default": none given). With a one-rank gloo group up, a cache and a sampler are made (twice each), then each
+# loader starts its worker; prints the warnings' texts as JSON: before the group, at the makings, at each loader
+# (a list, in the loaders' order).
 _WARNED = textwrap.dedent(
     """
-    import json, os, sys, tempfile, warnings
+    import json, multiprocessing, sys, tempfile, warnings
     import torch, torch.distributed as dist
+    from torch.utils.data import DataLoader
     import ignite_ext.data.fork_safety as fork_safety
     if sys.argv[1] == "pretend":  # an interpreter without the deadlock stands in for one with it
         fork_safety.fork_deadlock_possible = lambda *a, **k: True
+        import os
+        os.register_at_fork(before=fork_safety._warn_before_fork)
+    multiprocessing.set_start_method(sys.argv[2], force=True)
     from ignite_ext.data import CachedDataset, ShardedDistributedSampler
-    data = [torch.zeros(2) for _ in range(8)]
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        CachedDataset(data, capacity_bytes=1 << 20).close()  # no process group: nothing to say
-        before = len(caught)
-        dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
-        for _ in range(2):
-            CachedDataset(data, capacity_bytes=1 << 20).close()
-            ShardedDistributedSampler(data)
-        dist.destroy_process_group()
-    found = [str(w.message) for w in caught if issubclass(w.category, fork_safety.ForkDeadlockWarning)]
-    print(json.dumps({"before": before, "warned": found}))
+
+    def told(caught):
+        found = [str(w.message) for w in caught if issubclass(w.category, fork_safety.ForkDeadlockWarning)]
+        caught.clear()
+        return found
+
+    if __name__ == "__main__":
+        data = [torch.zeros(2) for _ in range(8)]
+        seen = {}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            CachedDataset(data, capacity_bytes=1 << 20).close()  # no process group: nothing to say
+            seen["before"] = told(caught)
+            dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
+            for _ in range(2):
+                CachedDataset(data, capacity_bytes=1 << 20).close()
+                ShardedDistributedSampler(data)
+            seen["made"] = told(caught)
+            seen["loaders"] = []
+            for context in sys.argv[3].split(","):
+                given = None if context == "default" else context
+                list(DataLoader(range(2), num_workers=1, multiprocessing_context=given))
+                seen["loaders"].append(told(caught))
+            dist.destroy_process_group()
+        print(json.dumps(seen))
     """
 )
 
 
-@pytest.mark.distributed  # a process group
-@pytest.mark.parametrize("local_rank", ["0", "1"])
-def test_a_rank_with_a_group_up_on_an_affected_interpreter_is_told_once_per_node(
-    tmp_path: Path, local_rank: str
-) -> None:
+def _warned(local_rank: str, start_method: str, contexts: str) -> dict[str, Any]:
     # On an affected interpreter the real check decides; on a fixed one the check is made to answer yes.
     mode = "real" if fork_deadlock_possible() else "pretend"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "LOCAL_RANK": local_rank, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", _WARNED, mode], capture_output=True, text=True, env=env, timeout=120)
+    command = [sys.executable, "-c", _WARNED, mode, start_method, contexts]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=150)
     assert done.returncode == 0, done.stderr[-3000:]
-    seen = json.loads(done.stdout.strip().splitlines()[-1])
-    assert seen["before"] == 0
+    seen: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return seen
+
+
+@pytest.mark.distributed  # a process group
+@pytest.mark.parametrize("local_rank", ["0", "1"])
+def test_a_rank_with_a_group_up_on_an_affected_interpreter_is_told_once_per_node(local_rank: str) -> None:
+    seen = _warned(local_rank, "fork", "fork,fork")
+    assert seen["before"] == [] and seen["made"] == [], seen  # told where it forks, not where the objects are made
     if local_rank != "0":
-        assert seen["warned"] == [], seen  # one line per node: its local rank 0's
+        assert seen["loaders"] == [[], []], seen  # one line per node: its local rank 0's
         return
-    [message] = seen["warned"]
+    [message] = seen["loaders"][0]
+    assert seen["loaders"][1] == [], seen  # told once
     assert "gh-112275" in message and 'multiprocessing_context="forkserver"' in message, message
     assert "3.12" in message and "CachedDataset" in message, message
+
+
+@pytest.mark.distributed  # a process group, and a worker spawned for each loader but the last
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_no_warning_where_workers_are_not_forked(start_method: str) -> None:
+    # "spawn": as in a rank that idist.Parallel started (multiprocessing makes the method that started a process
+    # its default), whose DataLoaders spawn their workers. A loader given "spawn" spawns them under any default;
+    # a loader given "fork" is still told.
+    contexts = "default,spawn,fork" if start_method == "spawn" else "spawn,fork"
+    seen = _warned("0", start_method, contexts)
+    *spawned, [message] = seen["loaders"]
+    assert seen["made"] == [] and spawned == [[]] * len(spawned), seen
+    assert "forks a process" in message and "gh-112275" in message, message
 
 
 def test_no_warning_on_a_fixed_interpreter_or_without_a_group() -> None:

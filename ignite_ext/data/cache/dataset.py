@@ -163,7 +163,7 @@ class CachedDataset(Dataset[Any]):
         idist = ignite_world()  # None: alone, and ignite is not imported for nothing (see ._world)
         if idist is None or idist.get_rank() == 0:
             warn_if_frozen(dataset, stacklevel=2)
-        warn_if_forks_can_hang("CachedDataset made")
+        warn_if_forks_can_hang("CachedDataset")
         if persist is True and capacity_bytes is not None:
             raise ValueError(
                 "persist=True keeps every sample in the persisted disk tier (read through the page cache), none in "
@@ -385,7 +385,7 @@ class CachedDataset(Dataset[Any]):
         if evicted:
             self._tiers.ram.count(self._row, self._count_slot(), evictions=evicted, evicted_bytes=evicted_bytes)
         if following and upcoming and self._row == 0:
-            warn_if_forks_can_hang("The cache's load-ahead process forked")
+            warn_if_forks_can_hang("CachedDataset")
             self._loading = LoadingAhead(self._load_ahead, upcoming)
         return following
 

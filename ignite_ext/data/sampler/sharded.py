@@ -166,7 +166,7 @@ class ShardedDistributedSampler(DistributedSampler[int]):
         mix = check_mix(mix)
         if not isinstance(load_ahead, bool):
             raise TypeError(f"load_ahead must be True or False, got {load_ahead!r}")
-        warn_if_forks_can_hang("ShardedDistributedSampler made")
+        warn_if_forks_can_hang("ShardedDistributedSampler")
         # Explicit values: torch's constructor would otherwise ask torch.distributed, which is not initialised
         # under Horovod, XLA or in serial mode.
         super().__init__(
