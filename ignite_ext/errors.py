@@ -14,12 +14,12 @@ Importing this module imports nothing heavy (no torch, no numpy).
 
     IgniteExtError
     ├── RankFailedError (RuntimeError)       another rank's scheduled block failed, or it died
-    │   ├── RankDiedError                    this rank was declared dead by its peers
+    │   ├── RankDiedError                    this rank, alive, was declared dead by the others
     │   └── StoreLostError                   the scheduler's store stopped answering
     ├── DownloadError (URLError, OSError)    a download failed
     │   └── ChecksumError (RuntimeError)     the bytes had another digest than expected
     ├── ArchiveError (ValueError)            an archive is unsafe, too large or unsupported
-    └── ShmSpaceError (RuntimeError)         /dev/shm cannot hold a cache
+    └── ShmSpaceError (RuntimeError)         RAM (/dev/shm) or the disk_dir cannot hold a cache
 
 Examples:
     >>> from ignite_ext.errors import DownloadError, IgniteExtError
@@ -198,18 +198,36 @@ class RankStalledError(RankFailedError):
 
 
 class RankDiedError(RankFailedError):
-    """Raised on a rank that its peers declared dead (its heartbeat stopped) before it could report its outcome.
+    """Raised on a rank that is alive, but that the other ranks declared dead (its heartbeat stopped).
 
-    The peers have already reported this rank as failed, so it must not carry on as if its block succeeded.
+    The other ranks have already reported this rank as failed and gone on without it, so it must not carry on as if
+    its block succeeded. Its process usually stood still for longer than the heartbeat timeout: paused (``SIGSTOP``
+    or Ctrl-Z, a suspended job, ``gdb``), or cut off from the network.
 
     Examples:
         >>> from ignite_ext.errors import RankDiedError, RankFailedError, RankFailure
         >>> err = RankDiedError([RankFailure(1, "RankDiedError", "declared dead by its peers", died=True)], "rank 1")
         >>> isinstance(err, RankFailedError), err.dead
         (True, (1,))
+        >>> print(err)  # doctest: +NORMALIZE_WHITESPACE
+        rank 1: this rank is alive, but the other ranks declared it dead and went on without it: its heartbeat
+        stopped for longer than IGNITE_EXT_HEARTBEAT_TIMEOUT (10 s by default). Its process was probably paused
+        (SIGSTOP or Ctrl-Z, a suspended job, gdb) or cut off from the network. Restart the job; if such pauses are
+        expected, raise IGNITE_EXT_HEARTBEAT_TIMEOUT.
 
     .. versionadded:: 0.2.0
+    .. versionchanged:: 0.6.0
+        The message says that this rank is alive and was declared dead by the others.
     """
+
+    def _message(self) -> str:
+        prefix = f"{self.context}: " if self.context else ""
+        return (
+            f"{prefix}this rank is alive, but the other ranks declared it dead and went on without it: its "
+            "heartbeat stopped for longer than IGNITE_EXT_HEARTBEAT_TIMEOUT (10 s by default). Its process was "
+            "probably paused (SIGSTOP or Ctrl-Z, a suspended job, gdb) or cut off from the network. Restart the job; "
+            "if such pauses are expected, raise IGNITE_EXT_HEARTBEAT_TIMEOUT."
+        )
 
 
 class StoreLostError(RankFailedError):
@@ -341,7 +359,9 @@ class ArchiveError(IgniteExtError, ValueError):
 
 
 class ShmSpaceError(IgniteExtError, RuntimeError):
-    """``/dev/shm`` cannot hold the requested cache.
+    """The cache does not fit: RAM in ``/dev/shm``, or the ``disk_dir`` of its disk tier, lacks room.
+
+    The message says which of the two is full, how many bytes are free and what to do.
 
     Examples:
         >>> from ignite_ext.errors import ShmSpaceError
@@ -349,6 +369,8 @@ class ShmSpaceError(IgniteExtError, RuntimeError):
         True
 
     .. versionadded:: 0.1.0
+    .. versionchanged:: 0.6.0
+        The message names the place that is full: RAM in ``/dev/shm`` or the disk directory.
     """
 
 

@@ -191,7 +191,9 @@ class StoreChannel(Channel):
             failures = _failures_of(cuts)
             verdict = _DEATH_VERDICT + encode_failures(failures) + b"\n%d" % self.rank  # the noticer: one winner
             if put_once(self.client, self.keys.verdict, verdict):
-                log().warning("rank %d: ranks %s dead at the entry (%s)", self.rank, _ranks(cuts), cuts[0].message())
+                log().warning(
+                    "rank %d: ranks %s died before the block began (%s)", self.rank, _ranks(cuts), cuts[0].message()
+                )
                 self.client.add(self.keys.entered, DEATH_ENTERED)  # so that no late entrant judges in vain
                 self._wake_all("entry")
             elif not bytes(self.client.get(self.keys.verdict)).startswith(_DEATH_VERDICT):

@@ -261,7 +261,13 @@ class MasterFirst(Policy):
         local = _check_bool("local", self.local)
         size = world.nproc_per_node() if local else world.world_size
         if rank >= size or rank < 0:
-            raise ValueError(f"rank should be between 0 and {size - 1}, but given {rank}")
+            # ignite's words first (code may match them), then what the numbers are and what to do.
+            runs = f"{size} process{'es' if size != 1 else ''}"
+            job = f"each node runs {runs} and local=True takes a local rank" if local else f"the job runs {runs}"
+            raise ValueError(
+                f"rank should be between 0 and {size - 1}, but given {rank}: {job}. Pass a rank from 0 to {size - 1}, "
+                "or launch more processes (e.g. torchrun --nproc-per-node=4, or idist.Parallel(nproc_per_node=4))"
+            )
 
     def plan(self, world: World, comm: Comm) -> Plan:
         """Put the chosen rank (of each node, with ``local=True``) first and make the others wait for it."""

@@ -201,14 +201,19 @@ def _entry(order: object, timeout: float | None, stall_timeout: float | None, si
     return idist.get_node_rank(), idist.get_local_rank(), f"{args}|at {site}"
 
 
-def _mismatch(entries: list[tuple[int, int, str]]) -> str | None:
-    differ = disagreement([args for _, _, args in entries])
-    if differ is None:
-        return None
-    return (
-        "ranks passed different rank_scheduler arguments or entered different blocks (every rank must enter the same "
-        f"block, from the same line, with the same arguments): {differ}"
-    )
+def _mismatch(caller: str) -> Callable[[list[tuple[int, int, str]]], str | None]:
+    """The check that every rank entered ``caller`` (the function the user called) alike."""
+
+    def check(entries: list[tuple[int, int, str]]) -> str | None:
+        differ = disagreement([args for _, _, args in entries])
+        if differ is None:
+            return None
+        return (
+            f"ranks passed different {caller} arguments or entered different blocks (every rank must enter the same "
+            f"block, from the same line, with the same arguments): {differ}"
+        )
+
+    return check
 
 
 #: The world's shape as the verdict carries it: ``("grid", N, per_node)`` when rank ``r`` is local rank
@@ -242,13 +247,16 @@ def _world(layout: Layout) -> World:
 
 
 def _agree_on_entry(
-    channel: Channel, order: object, timeout: float | None, stall_timeout: float | None, site: str
+    channel: Channel, order: object, timeout: float | None, stall_timeout: float | None, site: str, caller: str
 ) -> World:
-    """Check every rank's entry together; ``ValueError`` on every rank if any is invalid or they differ."""
+    """Check every rank's entry together; ``ValueError`` on every rank if any is invalid or they differ.
+
+    ``caller`` is the function the user called (``one_rank_first`` or ``rank_scheduler``): the errors name it.
+    """
     layout = agree(
         lambda: _entry(order, timeout, stall_timeout, site),
-        "checking the rank_scheduler arguments",
-        check=_mismatch,
+        f"checking the arguments of {caller}",
+        check=_mismatch(caller),
         combine=_layout,
         exchange=channel.exchange,
     )
@@ -356,12 +364,16 @@ def rank_scheduler(
     .. versionchanged:: 0.4.0
        ``stall_timeout``: a first rank whose reported progress stops advancing is reported on every rank.
     """
+    yield from _scheduled(MasterFirst() if order is None else order, timeout, stall_timeout, "rank_scheduler")
+
+
+def _scheduled(order: object, timeout: float | None, stall_timeout: float | None, caller: str) -> Iterator[Turn]:
+    """:func:`rank_scheduler`'s work, for ``caller``: the function the user called, which the errors name."""
     if torch.utils.data.get_worker_info() is not None:
         raise RuntimeError(
-            "rank_scheduler/one_rank_first cannot run in a DataLoader worker: workers are not ranks and must "
-            "not take part in collectives; schedule the work in the main process (e.g. in the dataset's setup)"
+            f"{caller} cannot run in a DataLoader worker: workers are not ranks and must not take part in "
+            "collectives; schedule the work in the main process (e.g. in the dataset's setup)"
         )
-    order = MasterFirst() if order is None else order
     site = _call_site()
     rank, world_size = idist.get_rank(), idist.get_world_size()
     store = scheduler_store() if world_size > 1 else None
@@ -375,7 +387,7 @@ def rank_scheduler(
     usable = isinstance(timeout, int | float) and not isinstance(timeout, bool) and timeout > 0
     if world_size == 1:
         world = _agree_on_entry(
-            make_channel(None, state, rank, 1, label, None, -1), order, timeout, stall_timeout, site
+            make_channel(None, state, rank, 1, label, None, -1), order, timeout, stall_timeout, site, caller
         )
         assert isinstance(order, Policy)
         with _calling_at_end(-1), state.inside(world):
@@ -384,7 +396,7 @@ def rank_scheduler(
     seq = state.take_sequence()
     try:
         channel = make_channel(store, state, rank, world_size, label, timeout if usable else None, seq)
-        with _calling_at_end(seq), _block(channel, order, timeout, stall_timeout, state, site) as turn:
+        with _calling_at_end(seq), _block(channel, order, timeout, stall_timeout, state, (site, caller)) as turn:
             yield turn
     finally:
         state.leave(seq)  # whatever happened, this process reads no key of the block any more
@@ -422,11 +434,11 @@ def _block(
     timeout: float | None,
     stall_timeout: float | None,
     state: GroupState,
-    site: str,
+    entered: tuple[str, str],
 ) -> Iterator[Turn]:
-    """One communicating block on this rank: entry, wait, run, leave."""
+    """One communicating block on this rank: entry, wait, run, leave; ``entered``: the call site and function."""
     rank = channel.rank
-    world = _agree_on_entry(channel, order, timeout, stall_timeout, site)
+    world = _agree_on_entry(channel, order, timeout, stall_timeout, *entered)
     assert isinstance(order, Policy)
     try:
         plan = _plan(order, world)
@@ -513,5 +525,4 @@ def one_rank_first(
 
     .. versionadded:: 0.1.0
     """
-    with rank_scheduler(MasterFirst(rank, local), timeout=timeout, stall_timeout=stall_timeout) as turn:
-        yield turn
+    yield from _scheduled(MasterFirst(rank, local), timeout, stall_timeout, "one_rank_first")

@@ -24,7 +24,7 @@ def test_store_channel_on_horovod_says_so(world: World) -> None:
     # A world of its own (any env does that): the line comes with the world's first block.
     seen = world(_bodies.channel_in_use, 3.0, 1.0, env={"IGNITE_EXT_WAIT_LOG_INTERVAL": "30"})
     assert [s["outcome"] for s in seen] == ["RankFailedError"] + ["TimeoutError"] * (world.nprocs - 1)
-    assert any("store channel on horovod, through a TCPStore at " in line for line in seen[0]["log"]), seen[0]["log"]
+    assert any("on horovod, ranks wait through a TCPStore at " in line for line in seen[0]["log"]), seen[0]["log"]
 
 
 def test_collective_fallback_when_rank_0_cannot_serve(world: World) -> None:
@@ -38,5 +38,5 @@ def test_collective_fallback_when_rank_0_cannot_serve(world: World) -> None:
         seen = world(_bodies.channel_in_use, 3.0, 1.0, env={"IGNITE_EXT_STORE_PORT": str(port)})
     assert [s["outcome"] for s in seen] == ["ok"] * world.nprocs
     assert all(s["waited"] >= 2.5 for s in seen[1:]), [s["waited"] for s in seen]
-    warning = [line for line in seen[0]["log"] if "collective channel on horovod" in line]
+    warning = [line for line in seen[0]["log"] if "on horovod, ranks wait in the backend's collectives" in line]
     assert warning and "no TCPStore server could start on rank 0" in warning[0], seen[0]["log"]

@@ -58,10 +58,10 @@ def test_first_rank_killed(world: World) -> None:
         assert not any(r.timed_out for r in others), "\n".join(str(r) for r in others)
         reported = [r for r in others if r.ok]
         assert all(not r.value["ran"] for r in reported), "\n".join(str(r) for r in reported)
-        _assert_declared_dead(reported, "its process ended")
+        _assert_declared_dead(reported, "its process was killed or crashed")
         return
     # A fresh world: rank 1 dies before its keeper may be up, and then only its silence tells.
-    _assert_declared_dead(others, "its process ended", "no heartbeat")
+    _assert_declared_dead(others, "its process was killed or crashed", "no heartbeat")
 
 
 def test_hung_rank_declared_dead(world: World) -> None:

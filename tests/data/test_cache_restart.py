@@ -290,7 +290,7 @@ def test_an_arena_that_fails_its_check_is_not_adopted(tmp_path: Path) -> None:
     )
     # The RAM tier (samples 0 and 1) is adopted; the disk tier is rebuilt: samples 2 and 3 are loaded again.
     assert proc.returncode == 0 and proc.stdout.strip() == "loaded [2, 3] 2 2 4 2", (proc.stdout, proc.stderr)
-    assert "was not adopted: a published entry lies outside the used part of the data area" in proc.stderr
+    assert "was not reused: a published entry lies outside the used part of the data area" in proc.stderr
     assert _arenas(tmp_path) == []
 
 

@@ -83,6 +83,13 @@ def _layout(n: int, rows: int) -> tuple[int, int, int]:
     return table_off, stats_off, aligned(stats_off + rows * SLOTS_PER_ROW * SLOT_WORDS * 8, PAGE)  # see borrow()
 
 
+def _room(knob: str, directory: str) -> tuple[str, str]:
+    """The place a cache's ``knob`` sizes, as its errors name it (RAM or the disk), and how to make room there."""
+    if knob == "disk_bytes":
+        return f"the disk directory {directory} (disk_dir)", f"free space in {directory}, or pass a roomier disk_dir"
+    return f"RAM in {directory} (shared memory)", f"enlarge {directory} (e.g. docker run --shm-size=8g)"
+
+
 def _stamps(path: str) -> tuple[int, int, int, int]:
     """``(job, key, n, rows)`` of the arena ``path``; zeros for a file that is not an arena of this version."""
     words = shm.header_words(path, H_KEY + 1)
@@ -129,7 +136,6 @@ class ArenaFile:
         share: int = 1,
         *,
         knob: str = "capacity_bytes",
-        advice: str | None = None,
         sweep: bool = True,
         job: int = NO_JOB,
         key: int = 0,
@@ -146,8 +152,7 @@ class ArenaFile:
             rows: number of counter rows (one per rank sharing the arena).
             directory: a tmpfs (RAM), or a node-local disk for a disk tier.
             share: see ``capacity``.
-            knob: the user's name of ``capacity``, and ``advice``, how to make room: for the errors.
-            advice: see ``knob``; by default, how to enlarge a tmpfs.
+            knob: the user's name of ``capacity`` (``"disk_bytes"``: a disk tier), for the errors (:func:`_room`).
             sweep: whether to sweep this user's stale arenas first and adopt one (not where other hosts mount).
             job: the job stamp (:func:`~.restart.job_key`); :data:`NO_JOB` adopts nothing and is never adopted.
             key: the cache stamp (:func:`~.restart.cache_key`).
@@ -162,14 +167,12 @@ class ArenaFile:
             raise ValueError(f"{knob} must be positive, got {capacity}")
         if not os.path.isdir(directory):
             raise ShmSpaceError(f"{directory} does not exist: the cache needs a tmpfs for shared memory")
-        if advice is None:
-            advice = f"enlarge {directory} (e.g. docker run --shm-size=8g)"
         with shm.directory_lock(directory):  # concurrent creators must see each other's claims
             if sweep and job != NO_JOB and (adopted := cls._adopt(directory, n, rows, job, key)) is not None:
                 return adopted
             if sweep:
                 shm.sweep_stale(directory)
-            return cls._create_locked(n, capacity, rows, directory, share, knob, advice, job, key)
+            return cls._create_locked(n, capacity, rows, directory, share, knob, job, key)
 
     @classmethod
     def _create_locked(
@@ -180,7 +183,6 @@ class ArenaFile:
         directory: str,
         share: int,
         knob: str,
-        advice: str,
         job: int,
         key: int,
         stem: str | None = None,
@@ -188,20 +190,21 @@ class ArenaFile:
         """:meth:`create`'s work once the directory's creation lock is held; at ``stem`` (kept at exit) if given."""
         table_off, stats_off, data_off = _layout(n, rows)
         free = shm.available_bytes(directory)
+        place, advice = _room(knob, directory)
         if capacity is None:
             # Arenas fill lazily: what live caches may still claim is not free for a new default.
             unclaimed = max(0, free - shm.promised_bytes(directory))
             capacity = int((unclaimed - data_off) * shm.DEFAULT_FRACTION / max(1, share)) // ALIGN * ALIGN
             if capacity < MIN_CAPACITY:
                 raise ShmSpaceError(
-                    f"{directory} has {free} bytes free, {unclaimed} of them not promised to this user's other "
+                    f"{place} is full: {free} bytes free, {unclaimed} of them not promised to this user's other "
                     f"caches; a cache of {n} samples needs {data_off} bytes for its index plus at least "
                     f"{MIN_CAPACITY} for data: {advice}, or pass {knob}"
                 )
         elif data_off + capacity > free:
             raise ShmSpaceError(
-                f"{knob}={capacity} plus {data_off} bytes of index exceed the {free} bytes free in "
-                f"{directory}; lower {knob} or {advice}"
+                f"{place} is too small: {knob}={capacity} plus {data_off} bytes of index exceed the {free} bytes "
+                f"free there; lower {knob} or {advice}"
             )
         keep = stem is not None
         stem = stem if stem is not None else shm.arena_stem(directory)
@@ -278,8 +281,7 @@ class ArenaFile:
                     remove_files([path, stem + ".lock"])
             adopted = opened is not None
             if opened is None:
-                advice = f"free space in {directory}"
-                opened = cls._create_locked(n, capacity, rows, directory, 1, knob, advice, PERSISTED, key, stem=stem)
+                opened = cls._create_locked(n, capacity, rows, directory, 1, knob, PERSISTED, key, stem=stem)
             os.utime(stem + ".lock", follow_symlinks=False)  # its last use, for the eviction of the least recent
             persist.evict(directory, keep=path, cap=persist.persist_cap(directory))
         return opened, adopted
@@ -347,7 +349,8 @@ class ArenaFile:
             self, problem = cls._held_checked(path, keep=False)
             if problem is not None:
                 warnings.warn(
-                    f"the cache left by the attempt before in {directory} was not adopted: {problem}; it starts empty",
+                    f"the cache kept in {directory} from the job's run before its restart was not reused: {problem}; "
+                    "this run's cache starts empty",
                     RuntimeWarning,
                     stacklevel=7,  # the user's construction of the cache (see tiers.open_tiers)
                 )

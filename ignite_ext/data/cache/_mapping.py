@@ -122,7 +122,7 @@ def open_local(
     whole = memoryview(mm)
     header = whole[:HEADER_BYTES].cast("Q")
     if header[H_MAGIC] != MAGIC or header[H_VERSION] != VERSION:
-        raise RuntimeError(f"{path} is not a cache arena of this version")
+        raise RuntimeError(f"{path} is not a cache file of this version of ignite_ext")
     n, rows = header[H_N], header[H_ROWS]
     table_off, stats_off, data_off = header[H_TABLE], header[H_STATS], header[H_DATA]
     return Local(

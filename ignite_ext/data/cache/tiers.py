@@ -167,7 +167,6 @@ class DiskTier:
             directory=disk.directory,
             share=share,
             knob="disk_bytes",
-            advice=f"free space in {disk.directory}",
             sweep=network is None,
             job=job,
             key=cache_key(*identity, "disk", disk.directory),

@@ -162,7 +162,9 @@ class Relaying:
             place = chain.join()
             chain.post(Holder(place, self.rank, *server.address))
         except (OSError, RuntimeError, ValueError) as exc:  # socket errors, the store's (RuntimeError), bad JSON
-            logger.warning("relay: cannot join the job's chain for %s (%s); fetching it alone", target.name, exc)
+            logger.warning(
+                "relay: cannot share %s between the job's ranks (%s); this rank downloads it alone", target.name, exc
+            )
             if server is not None:
                 server.stop()
             growing.close()
@@ -174,7 +176,12 @@ class Relaying:
             )
         member = Member(chain, place, secret, growing, server, urls[0], self.rank, from_origin=place == 1)
         self.members.append(member)
-        logger.info("relay: holder %d of %s, serving on %s:%d", place, target.name, *server.address)
+        logger.info(
+            "relay: this rank holds copy %d of %s and serves it to the next on %s:%d",
+            place,
+            target.name,
+            *server.address,
+        )
         return member
 
     def close(self) -> None:
@@ -265,7 +272,7 @@ def from_relays(member: Member, partial: Partial, job: Job) -> bool:
                 continue
             if _verified(member, partial, job, before):
                 return True
-            logger.warning("relay: the copy from holder %d failed its check; starting over", place)
+            logger.warning("relay: the copy received from rank %d failed its checksum; starting over", holder.rank)
             partial.restart()  # bytes that fail the check are of no use from any source
             break
         if unreachable:

@@ -48,9 +48,9 @@ class Cut:
         >>> Cut.decode(1, cut.encode()) == cut
         True
         >>> print(cut.message())
-        no heartbeat for 3 s (ranks [2, 3] lost together), noticed by rank 1 (killed, hung or cut off)
+        no heartbeat for 3 s (ranks [2, 3] died together), noticed by rank 1: killed, hung or cut off from the network
         >>> print(Cut(2, (5,), author=5, silent_s=0.0).message())
-        its process ended, seen by the keeper on its host (killed or crashed)
+        its process was killed or crashed
 
     .. versionadded:: 0.3.0
     """
@@ -74,13 +74,15 @@ class Cut:
         """What every survivor reports of each of the cut's ranks (the same words everywhere).
 
         A cut whose author is among its ranks was posted by the keeper of the author's host, which saw the
-        processes end (see :mod:`~ignite_ext.distributed.liveness.keeper`).
+        processes end (see :mod:`~ignite_ext.distributed.liveness.keeper`). The words are a user's: the keeper
+        and the cut stay out of them.
         """
-        together = f" (ranks {list(self.ranks)} lost together)" if len(self.ranks) > 1 else ""
+        together = f" (ranks {list(self.ranks)} died together)" if len(self.ranks) > 1 else ""
         if self.author in self.ranks:
-            return f"its process ended{together}, seen by the keeper on its host (killed or crashed)"
+            return f"its process was killed or crashed{together}"
         return (
-            f"no heartbeat for {self.silent_s:.0f} s{together}, noticed by rank {self.author} (killed, hung or cut off)"
+            f"no heartbeat for {self.silent_s:.0f} s{together}, noticed by rank {self.author}: "
+            "killed, hung or cut off from the network"
         )
 
 

@@ -327,7 +327,12 @@ class Heartbeat:
         if why == NOT_YET and not last:
             return False
         if address is None or wire is None:  # detection by silence alone
-            _log.info("ignite_ext: rank %d runs no keeper and no cut listener: %s", self.rank, why)
+            _log.info(
+                "ignite_ext: rank %d: a dead rank is noticed by its silent heartbeat only, within about 4/3 of "
+                "IGNITE_EXT_HEARTBEAT_TIMEOUT, not at the moment its process ends: %s",
+                self.rank,
+                why,
+            )
             return True
         proof = read(self._client, CUTS_KEY)
         try:

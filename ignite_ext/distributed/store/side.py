@@ -149,8 +149,13 @@ def side_store() -> Store | None:
     if reason:
         store = None
         if rank == 0:
-            _log.warning("scheduler: collective channel on %s (%s)", idist.backend(), reason)
+            _log.warning(
+                "scheduler: on %s, ranks wait in the backend's collectives, not through a store (%s): timeout= is "
+                "not enforced and a dead rank shows as the backend's own error",
+                idist.backend(),
+                reason,
+            )
     elif rank == 0:
-        _log.info("scheduler: store channel on %s, through a TCPStore at %s", idist.backend(), shared)
+        _log.info("scheduler: on %s, ranks wait through a TCPStore at %s", idist.backend(), shared)
     _BY_MODEL[model] = store
     return store
