@@ -11,12 +11,20 @@ of them).
 
 Run as ``python -m tests.data._memory_probe {in-memory,cached,leaky} N NUMEL DIR``; ``leaky`` is a cache that keeps
 7 KiB per sample read in each process, the cost the budget is there to catch.
+
+``python -m tests.data._memory_probe collect {parent,child,none}`` forces a full collection in the main process and
+in each of its 2 persistent workers between two cached epochs, and prints what each process's private dirty memory
+grew across its own collection (KiB), and how many objects the main process froze. The main process holds 100,000
+small dicts and lists besides torch's heap, and collects only when told (``gc.disable()``): no collection of its own
+comes first by chance. ``parent``: the package's default (the rank freezes before it forks). ``child``: the rank
+opted out, its workers still freeze at their first read (0.5.0). ``none``: neither freezes.
 """
 
 from __future__ import annotations
 
 import gc
 import json
+import multiprocessing as mp
 import os
 import sys
 from typing import Any
@@ -25,7 +33,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate, get_worker_info
 
-from benchmarks._node_memory import data_memory, descendants, pss
+from benchmarks._node_memory import data_memory, descendants, private_dirty, pss
 
 
 class Npy(Dataset[dict[str, Any]]):
@@ -129,5 +137,58 @@ def main(kind: str, n: int, numel: int, root: str) -> None:
     print(json.dumps(found), flush=True)
 
 
+_collect_now = mp.RawValue("b", 0)  # in shared memory: the main process tells its forked workers to collect
+
+
+def _collect_when_told(batch: list[dict[str, Any]]) -> Any:
+    """Collate; at the first batch after the main process said so, a worker collects and adds its growth (KiB)."""
+    grew = (0, 0)
+    if _collect_now.value and os.getpid() not in _collected:
+        _collected.add(os.getpid())
+        before = private_dirty(os.getpid())
+        gc.collect()
+        grew = (os.getpid(), (private_dirty(os.getpid()) - before) >> 10)
+    return {**default_collate(batch), "grew": grew}
+
+
+def collections(variant: str) -> None:
+    """Force a full collection in the main process, then in each worker, between two cached epochs (see above)."""
+    gc.disable()
+    from ignite_ext.data import CachedDataset
+    from ignite_ext.data.cache import dataset
+    from ignite_ext.data.fork_memory import freeze_before_forks
+
+    freeze_before_forks(variant == "parent")
+    if variant == "none":
+        dataset.share_inherited_heap = lambda: None  # type: ignore[attr-defined]
+    kept = [{"i": i, "seen": []} for i in range(100_000)]  # many small tracked objects, as a training script holds
+    items = [{"x": torch.full((1024,), float(i)), "y": i} for i in range(128)]
+    cache = CachedDataset(items, capacity_bytes=1 << 20)
+    loader = DataLoader(
+        cache,
+        batch_size=8,
+        num_workers=2,
+        persistent_workers=True,
+        multiprocessing_context="fork",
+        collate_fn=_collect_when_told,
+    )
+    epochs = [sum(len(b["y"]) for b in loader) for _ in range(2)]  # the workers fork and fill the cache, then hits
+    before = private_dirty(os.getpid())
+    gc.collect()
+    rank = (private_dirty(os.getpid()) - before) >> 10
+    _collect_now.value = 1
+    workers = {}
+    for b in loader:
+        pid, grew = b["grew"]
+        if pid:
+            workers[int(pid)] = int(grew)
+    assert epochs == [128, 128] and len(workers) == 2, (epochs, workers)
+    found = {"rank": rank, "workers": sorted(workers.values()), "frozen": gc.get_freeze_count(), "kept": len(kept)}
+    print(json.dumps(found), flush=True)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    if sys.argv[1] == "collect":
+        collections(sys.argv[2])
+    else:
+        main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])

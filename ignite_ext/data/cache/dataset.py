@@ -17,13 +17,13 @@ from torch.utils.data import Dataset, get_worker_info
 
 from ignite_ext.data.cache import _mapping, _orphans
 from ignite_ext.data.cache._ahead import LoadingAhead
-from ignite_ext.data.cache._fork_memory import share_inherited_heap
 from ignite_ext.data.cache._world import ignite_world
 from ignite_ext.data.cache.codec import decode, encode
 from ignite_ext.data.cache.identity import checked_name, construction_site, sample_fingerprint
 from ignite_ext.data.cache.stats import CacheStats
 from ignite_ext.data.cache.tiers import checker, create_tiers, disk_option, node_tiers
 from ignite_ext.data.cache.transforms import FrozenTransformWarning, warn_if_frozen
+from ignite_ext.data.fork_memory import arm, share_inherited_heap
 from ignite_ext.data.fork_safety import warn_if_forks_can_hang
 
 # ignite and ignite_ext.distributed are imported only where a rank's main process needs them (see ._world).
@@ -202,6 +202,7 @@ class CachedDataset(Dataset[Any]):
         self._loading: LoadingAhead | None = None  # the process loading the next epoch's arrivals, if any
         # The pid that warned about an uncacheable sample: one warning per dataset and process, not one per read.
         self._warned_pid: int | None = None
+        arm()  # from now on this process freezes its heap before it forks (its workers share it)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
