@@ -1,6 +1,11 @@
 """Sphinx configuration for ignite_ext."""
 
+import sys
+from pathlib import Path
+
 import ignite_ext
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "_ext"))  # the docs' own extensions
 
 project = "ignite_ext"
 author = "ignite_ext contributors"
@@ -12,6 +17,7 @@ extensions = [
     "sphinx.ext.napoleon",
     "sphinx.ext.intersphinx",
     "sphinx.ext.viewcode",
+    "settings_table",
 ]
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False

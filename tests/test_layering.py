@@ -4,6 +4,8 @@
 * a capability subpackage of ``ignite_ext.data`` (``download``, ``sampler``, ``cache``) imports another one, and
   ``ignite_ext.distributed``, only through public modules (no ``_private`` module of another package);
 * ``ignite_ext.errors`` and ``ignite_ext._fs`` import nothing of the package but ``ignite_ext.errors``;
+* ``ignite_ext.settings``, the registry of the environment variables, imports nothing of the package, and every
+  part of it may import the registry (the progress board, liveness and the store room included);
 * the modules of the package import one another without a circle (imports inside functions count too);
 * benchmarks and examples import neither ``tests`` nor any private module of the package.
 """
@@ -22,6 +24,8 @@ PACKAGE = ROOT / "ignite_ext"
 CAPABILITIES = ("download", "sampler", "cache")
 # Private modules of the top package that every part of it may use.
 _BASE_MODULES = ("ignite_ext._fs", "ignite_ext._locks", "ignite_ext._version")
+# The registry of the environment variables: every part of the package reads them through it, and it stands alone.
+SETTINGS = "ignite_ext.settings"
 
 
 def _module_name(path: Path) -> str:
@@ -80,7 +84,9 @@ def violations() -> list[str]:
                 "ignite_ext.errors"
             ):
                 found.append(f"{where}: the base modules import nothing of the package but the errors")
-            if me.startswith("ignite_ext.progress") and not target.startswith("ignite_ext.progress"):
+            if me == SETTINGS:
+                found.append(f"{where}: the settings registry imports nothing of the package")
+            if me.startswith("ignite_ext.progress") and not target.startswith(("ignite_ext.progress", SETTINGS)):
                 found.append(f"{where}: progress stands alone (every capability reports to it)")
             if _owner(target) != owner and _private(target) and not target.startswith(_BASE_MODULES):
                 found.append(f"{where}: another package's private module")
@@ -156,16 +162,16 @@ def key_literals(path: Path, root: Path = ROOT) -> list[str]:
 
 def store_room_violations() -> list[str]:
     """The store room's rules: keys spelled only in its keys module; it imports nothing of the scheduler's protocol
-    or of liveness (nothing of the package outside it but ``ignite_ext.errors``); keys, codecs and wire import only
-    the standard library. Liveness stands on the room alone: beats and cuts, nothing of the scheduler (whose chores
-    ride on its thread as errands)."""
+    or of liveness (nothing of the package outside it but ``ignite_ext.errors`` and ``ignite_ext.settings``); keys,
+    codecs and wire import only the standard library. Liveness stands on the room alone: beats and cuts, nothing of
+    the scheduler (whose chores ride on its thread as errands)."""
     found: list[str] = []
     for path in _sources(PACKAGE):
         me = _module_name(path)
         if me != f"{STORE_ROOM}.keys":
             found += key_literals(path)
         if me.startswith(LIVENESS):
-            allowed = (LIVENESS, STORE_ROOM, "ignite_ext.errors", "ignite_ext._fs")
+            allowed = (LIVENESS, STORE_ROOM, "ignite_ext.errors", "ignite_ext._fs", SETTINGS)
             found += [
                 f"{me} imports {target}: liveness stands on the store room only"
                 for target in imports(path)
@@ -174,7 +180,7 @@ def store_room_violations() -> list[str]:
         if not me.startswith(STORE_ROOM):
             continue
         for target in imports(path):
-            if target.startswith("ignite_ext") and not target.startswith((STORE_ROOM, "ignite_ext.errors")):
+            if target.startswith("ignite_ext") and not target.startswith((STORE_ROOM, "ignite_ext.errors", SETTINGS)):
                 found.append(f"{me} imports {target}: the store room stands below the protocol and liveness")
             if me.rpartition(".")[2] in STDLIB_ONLY:
                 top = target.split(".")[0]
@@ -227,6 +233,7 @@ def test_the_checker_sees_a_violation(tmp_path: Path) -> None:
         ("import ignite_ext.data", ("torch", "numpy", "ignite", "fcntl")),
         ("from ignite_ext.data import download_url, extract_archive, DownloadError", ("torch", "numpy", "ignite")),
         ("import ignite_ext.errors", ("torch", "numpy", "ignite")),
+        ("import ignite_ext.settings", ("torch", "numpy", "ignite", "ignite_ext.distributed", "ignite_ext.data")),
         ("from ignite_ext import progress", ("torch", "numpy", "ignite", "ignite_ext.distributed")),
         ("import ignite_ext.__main__", ("torch", "numpy", "ignite", "tqdm", "filelock")),
     ],

@@ -5,8 +5,6 @@
 
 from __future__ import annotations
 
-import os
-
 import ignite.distributed as idist
 
 from ignite_ext.distributed._channel import Channel, log
@@ -15,6 +13,7 @@ from ignite_ext.distributed._state import GroupState
 from ignite_ext.distributed._store_channel import StoreChannel
 from ignite_ext.distributed.store.clients import Store, default_store
 from ignite_ext.distributed.store.side import side_store
+from ignite_ext.settings import SCHEDULER_CHANNEL
 
 __all__ = ["make_channel", "scheduler_store"]
 
@@ -25,7 +24,7 @@ def scheduler_store() -> Store | None:
     Native backends: the process group's store. Horovod and XLA: the side-channel store of
     :mod:`ignite_ext.distributed.store.side` (made by every rank together on the first call).
     """
-    if os.environ.get("IGNITE_EXT_SCHEDULER_CHANNEL", "").lower() == "collective":
+    if SCHEDULER_CHANNEL.read() == "collective":
         return None
     if idist.model_name() != "native-dist":
         log()  # set up before the side store says which channel runs (it logs on this logger, without importing it)

@@ -8,17 +8,19 @@ is cut into slices of a beat interval (``T / 6``), each a few store requests (th
 awaited outcome's and progress's reads), on local rank 0 of a node whose standard error is a terminal only:
 ``O(nodes on a terminal / beat interval)`` requests per second, nothing in a job whose output goes to files.
 
-``IGNITE_EXT_WAITING_LINE``: ``auto`` (the default: on a terminal), ``0`` (never: the log lines only, as in files).
+``IGNITE_EXT_WAITING_LINE``: ``auto`` (the default: on a terminal), ``0`` (never: the log lines only, as in files);
+the docs' settings page (:doc:`/settings`) lists it with the package's other variables.
 
 .. versionadded:: 0.4.0
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 from typing import TextIO
+
+from ignite_ext.settings import WAITING_LINE
 
 __all__ = ["WaitingLine", "waiting_line_role"]
 
@@ -41,7 +43,7 @@ def waiting_line_role(local_rank: int, stream: TextIO | None = None) -> str:
 
     .. versionadded:: 0.4.0
     """
-    if os.environ.get("IGNITE_EXT_WAITING_LINE", "auto").strip().lower() in ("0", "off", "no", "false"):
+    if not WAITING_LINE.read():
         return LOG
     stream = sys.stderr if stream is None else stream
     try:

@@ -324,7 +324,7 @@ def rank_scheduler(
       may run far longer than the process group's timeout. Waiting ranks log (logger
       ``ignite_ext.distributed``, INFO) whom they wait for every 30 s; a rank killed inside the block is
       reported as failed at once by its keeper when its host lives on, else when its heartbeat has stopped for
-      ``IGNITE_EXT_HEARTBEAT_TIMEOUT`` (10 s).
+      ``IGNITE_EXT_HEARTBEAT_TIMEOUT`` (10 s; :doc:`/settings` lists the package's environment variables).
       On Horovod and XLA, waits are collectives: ``timeout`` is not enforced and a killed rank surfaces as the
       backend's own error (see the backends page).
     * Serial runs (world size 1) run the block and yield a truthy turn. A scheduler nested inside a scheduled

@@ -11,7 +11,8 @@ lists it as ``/memfd:ignite_ext-progress (deleted)``), whose descriptor the proc
 ``IGNITE_EXT_PROGRESS_BOARD`` (``<pid>:<fd>``); such a worker maps its rank's board through ``/proc/<pid>/fd/<fd>``
 at its first report, when the name is its own rank's (``multiprocessing.parent_process``).
 
-Standard library only: the download helpers report here without importing torch.
+Standard library only (and :mod:`ignite_ext.settings`, which is too): the download helpers report here without
+importing torch.
 
 .. versionadded:: 0.4.0
 """
@@ -28,6 +29,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from ignite_ext.settings import PROGRESS_BOARD
+
 __all__ = ["ENV", "SLOTS", "Progress", "begin", "read", "write"]
 
 #: Slots on the board: the process itself, then up to ``SLOTS - 1`` DataLoader workers (others share by id).
@@ -43,7 +46,7 @@ _HEADER = struct.Struct("<Q")  # the board's generation: a slot of another gener
 _SIZE = _HEADER.size + SLOTS * _SLOT_SIZE
 _local = threading.Lock()  # the process's own threads share slot 0
 #: Where a process names its board for the workers it starts without fork: ``<pid>:<fd>``.
-ENV = "IGNITE_EXT_PROGRESS_BOARD"
+ENV = PROGRESS_BOARD.name
 
 
 def _new_board() -> tuple[mmap.mmap, int | None]:
@@ -57,7 +60,7 @@ def _new_board() -> tuple[mmap.mmap, int | None]:
     return mmap.mmap(fd, _SIZE), fd
 
 
-_INHERITED = os.environ.get(ENV)  # the starting process's board, as named before this one's replaces the name
+_INHERITED = PROGRESS_BOARD.read()  # the starting process's board, as named before this one's replaces the name
 _board, _fd = _new_board()
 _OWNER = os.getpid()
 _spawners: mmap.mmap | bool | None = None  # the rank's board in a worker it did not fork (False: unreachable)
@@ -143,7 +146,7 @@ def _spawners_board() -> mmap.mmap | None:
         _spawners = False
         parent = multiprocessing.parent_process()  # the rank, whichever the start method (the forkserver is not)
         if parent is not None and parent.pid != _OWNER:  # forked from the rank: its board is inherited
-            for name in (_INHERITED, os.environ.get(ENV)):
+            for name in (_INHERITED, PROGRESS_BOARD.read()):
                 pid, _, fd = (name or "").partition(":")
                 if pid == str(parent.pid) and fd.isdigit():
                     try:

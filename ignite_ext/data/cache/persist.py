@@ -23,6 +23,7 @@ from ignite_ext.data.cache.identity import fingerprint_indices
 from ignite_ext.data.cache.restart import cache_key
 from ignite_ext.data.cache.shm import own_files, remove_files, unused
 from ignite_ext.errors import IgniteExtError
+from ignite_ext.settings import PERSIST_BYTES
 
 # fmt: off
 __all__ = [
@@ -87,7 +88,7 @@ def persisted_stem(directory: str, key: int) -> str:
 def persist_cap(directory: str) -> int:
     """Bytes this user's persisted caches in ``directory`` may take on disk, together.
 
-    ``IGNITE_EXT_PERSIST_BYTES`` when set (a number of bytes), else half of the filesystem's size.
+    ``IGNITE_EXT_PERSIST_BYTES`` when set, else half of the filesystem's size (see :doc:`/settings`).
 
     Examples:
         >>> import os
@@ -99,9 +100,9 @@ def persist_cap(directory: str) -> int:
 
     .. versionadded:: 0.3.0
     """
-    given = os.environ.get("IGNITE_EXT_PERSIST_BYTES")
-    if given:
-        return int(given)
+    given = PERSIST_BYTES.read()
+    if given is not None:
+        return given
     st = os.statvfs(directory)
     return int(st.f_blocks * st.f_frsize * DEFAULT_CAP_FRACTION)
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import email.utils
 import http.client
-import os
 import random
 import re
 import socket
@@ -26,6 +25,7 @@ from typing import IO
 
 from ignite_ext.data.download._urls import OPENER, RedirectRefused, as_uri, strong_date
 from ignite_ext.errors import IgniteExtError
+from ignite_ext.settings import DOWNLOAD_BACKOFF_S
 
 __all__ = [
     "BACKOFF_BASE_S",
@@ -48,9 +48,9 @@ __all__ = [
 #: URL schemes :func:`ignite_ext.data.download_url` accepts.
 SCHEMES = ("http", "https", "file")
 #: Base of the exponential backoff between attempts, in seconds (overridden by :data:`BACKOFF_ENV`).
-BACKOFF_BASE_S = 1.0
-#: Environment variable that overrides :data:`BACKOFF_BASE_S`, e.g. ``0.01`` in tests.
-BACKOFF_ENV = "IGNITE_EXT_DOWNLOAD_BACKOFF_S"
+BACKOFF_BASE_S: float = DOWNLOAD_BACKOFF_S.default
+#: Environment variable that overrides :data:`BACKOFF_BASE_S`, e.g. ``0.01`` in tests (see :doc:`/settings`).
+BACKOFF_ENV = DOWNLOAD_BACKOFF_S.name
 #: A ``Retry-After`` up to this many seconds is honoured; a longer one falls back to the backoff.
 RETRY_AFTER_MAX_S = 60.0
 
@@ -322,7 +322,7 @@ def backoff_delay(attempt: int, retry_after: float | None = None) -> float:
     """
     if retry_after is not None and retry_after <= RETRY_AFTER_MAX_S:
         return retry_after
-    base = float(os.environ.get(BACKOFF_ENV, BACKOFF_BASE_S))
+    base = DOWNLOAD_BACKOFF_S.read()
     # Jitter keeps the ranks of many jobs that failed together from retrying in lockstep.
     return base * 2.0**attempt + random.uniform(0, base)
 

@@ -31,6 +31,7 @@ from ignite_ext.data.download._relay_client import RelayGone, RelayUnreachable, 
 from ignite_ext.data.download._relay_server import Growing, RelayServer, Version
 from ignite_ext.data.download._verify import mismatch
 from ignite_ext.errors import DownloadError
+from ignite_ext.settings import RELAY, RELAY_ADDR, RELAY_PORTS
 
 __all__ = [
     "RELAYED",
@@ -50,15 +51,17 @@ __all__ = [
 logger = logging.getLogger("ignite_ext.data.download")
 
 #: The address a holder's relay listens on, where the one that reaches the job's store is not the right one.
-RELAY_ADDR_ENV = "IGNITE_EXT_RELAY_ADDR"
+RELAY_ADDR_ENV = RELAY_ADDR.name
 
 
 #: The ports a holder's relay may listen on (``first-last``), where a firewall lets only those through; unset: any.
-RELAY_PORTS_ENV = "IGNITE_EXT_RELAY_PORTS"
+RELAY_PORTS_ENV = RELAY_PORTS.name
 
 
 def relay_ports() -> range:
     """The ports a relay may listen on: ``IGNITE_EXT_RELAY_PORTS`` (``45000-45099``, or one port), else any (0).
+
+    The docs' settings page (:doc:`/settings`) lists it with the package's other variables.
 
     Examples:
         >>> import os
@@ -77,17 +80,7 @@ def relay_ports() -> range:
 
     .. versionadded:: 0.4.0
     """
-    text = os.environ.get(RELAY_PORTS_ENV, "").strip()
-    if not text:
-        return range(0, 1)
-    first, _, last = text.partition("-")
-    try:
-        ports = range(int(first), int(last or first) + 1)
-    except ValueError:
-        ports = range(0)
-    if not ports or ports.start < 1 or ports.stop > 65536:
-        raise ValueError(f"{RELAY_PORTS_ENV}={text!r}: expected a port or a range 'first-last' of 1-65535")
-    return ports
+    return RELAY_PORTS.read()
 
 
 def relay_host() -> str:
@@ -105,7 +98,7 @@ def relay_host() -> str:
 
     .. versionadded:: 0.3.0
     """
-    if override := os.environ.get(RELAY_ADDR_ENV):
+    if override := RELAY_ADDR.read():
         return override
     master = os.environ.get("MASTER_ADDR")
     if master:
@@ -191,7 +184,7 @@ class Relaying:
 
 
 #: ``0`` turns relaying off: each holder then fetches from the origin, as outside a job.
-RELAY_ENV = "IGNITE_EXT_RELAY"
+RELAY_ENV = RELAY.name
 
 
 def in_this_block() -> Relaying | None:
@@ -201,7 +194,7 @@ def in_this_block() -> Relaying | None:
     has its directory's copy by then. Outside a job (no ``ignite_ext.distributed`` imported: nothing can be
     scheduled) it costs nothing and imports nothing.
     """
-    if os.environ.get(RELAY_ENV, "1") == "0" or "ignite_ext.distributed" not in sys.modules:
+    if not RELAY.read() or "ignite_ext.distributed" not in sys.modules:
         return None
     import ignite_ext.distributed as idist
 

@@ -153,7 +153,8 @@ def download_url(
             30 s, rides out a stall of TCP retransmissions or a proxy that buffers before the bytes flow again.
         relay: inside a scheduled block of a multi-rank job, take the bytes from the processes that fetched them
             before this one and serve them to those after it (a listening port on the interface that routes to
-            ``MASTER_ADDR``, while the block runs); ``IGNITE_EXT_RELAY=0`` turns it off whatever this says.
+            ``MASTER_ADDR``, while the block runs); ``IGNITE_EXT_RELAY=0`` turns it off whatever this says (the
+            relay's address and ports are settings too: :doc:`/settings`).
 
     Returns:
         The path of the file, or with ``extract=True`` of the directory it was extracted into.

@@ -1,4 +1,7 @@
-"""The liveness settings, in one place: each read from the environment when it is used.
+"""The liveness settings, each read from the environment when it is used.
+
+The variables, their defaults and units are on the docs' settings page (:doc:`/settings`), drawn from
+:mod:`ignite_ext.settings`, through which these functions read them.
 
 .. versionadded:: 0.3.0
 """
@@ -6,6 +9,14 @@
 from __future__ import annotations
 
 import os
+
+from ignite_ext.settings import (
+    EARLY_HEARTBEAT,
+    HEARTBEAT_TIMEOUT,
+    PROCESS_WATCH,
+    STALL_TIMEOUT,
+    WAIT_LOG_INTERVAL,
+)
 
 __all__ = [
     "beat_interval",
@@ -21,9 +32,11 @@ __all__ = [
 def env_float(name: str, default: float) -> float:
     """The number in environment variable ``name``, or ``default`` when it is unset or not a number.
 
+    The package's own variables are read through :mod:`ignite_ext.settings`, not with this.
+
     Examples:
         >>> from ignite_ext.distributed.liveness.settings import env_float
-        >>> env_float("IGNITE_EXT_NO_SUCH_SETTING", 2.5)
+        >>> env_float("MY_JOB_NO_SUCH_VARIABLE", 2.5)
         2.5
 
     .. versionadded:: 0.3.0
@@ -35,7 +48,7 @@ def env_float(name: str, default: float) -> float:
 
 
 def heartbeat_timeout() -> float:
-    """Seconds without a heartbeat after which a rank counts as dead (``IGNITE_EXT_HEARTBEAT_TIMEOUT``, 10).
+    """Seconds without a heartbeat after which a rank counts as dead (``IGNITE_EXT_HEARTBEAT_TIMEOUT``).
 
     A rank's keeper beats for it while its process runs (:mod:`~ignite_ext.distributed.liveness.keeper`), so a
     long GIL hold is not a death and ``T`` can be short: a lost host is reported within ``4/3 T`` = 13.3 s by
@@ -48,7 +61,7 @@ def heartbeat_timeout() -> float:
 
     .. versionadded:: 0.3.0
     """
-    return env_float("IGNITE_EXT_HEARTBEAT_TIMEOUT", 10.0)
+    return HEARTBEAT_TIMEOUT.read()
 
 
 def beat_interval() -> float:
@@ -68,7 +81,7 @@ def beat_interval() -> float:
 
 
 def log_interval() -> float:
-    """Seconds between two "still waiting" log lines, and a wait's slice (``IGNITE_EXT_WAIT_LOG_INTERVAL``, 30).
+    """Seconds between two "still waiting" log lines, and a wait's slice (``IGNITE_EXT_WAIT_LOG_INTERVAL``).
 
     Examples:
         >>> from ignite_ext.distributed.liveness.settings import log_interval
@@ -77,11 +90,11 @@ def log_interval() -> float:
 
     .. versionadded:: 0.3.0
     """
-    return env_float("IGNITE_EXT_WAIT_LOG_INTERVAL", 30.0)
+    return WAIT_LOG_INTERVAL.read()
 
 
 def stall_timeout() -> float:
-    """The default stall deadline of a scheduled block, in seconds (``IGNITE_EXT_STALL_TIMEOUT``, 600).
+    """The default stall deadline of a scheduled block, in seconds (``IGNITE_EXT_STALL_TIMEOUT``).
 
     It counts only while a first rank's reported activity is unfinished (see the scheduling guide, "Slow, stalled
     or dead"): an honest download or tokenization advances far more often than every 10 minutes, and a wedged one
@@ -94,11 +107,11 @@ def stall_timeout() -> float:
 
     .. versionadded:: 0.4.0
     """
-    return env_float("IGNITE_EXT_STALL_TIMEOUT", 600.0)
+    return STALL_TIMEOUT.read()
 
 
 def early_heartbeat() -> bool:
-    """Whether ranks beat from the moment their process group exists (``IGNITE_EXT_EARLY_HEARTBEAT``, on).
+    """Whether ranks beat from the moment their process group exists (``IGNITE_EXT_EARLY_HEARTBEAT``).
 
     Off (``0``), a rank beats from its first scheduled block, and a rank that never beat is never declared dead
     (it cannot be told from one that has not reached a block yet).
@@ -110,11 +123,11 @@ def early_heartbeat() -> bool:
 
     .. versionadded:: 0.3.0
     """
-    return os.environ.get("IGNITE_EXT_EARLY_HEARTBEAT", "1") != "0"
+    return EARLY_HEARTBEAT.read()
 
 
 def process_watch() -> bool:
-    """Whether each rank runs a keeper process and hears of cuts at once (``IGNITE_EXT_PROCESS_WATCH``, on).
+    """Whether each rank runs a keeper process and hears of cuts at once (``IGNITE_EXT_PROCESS_WATCH``).
 
     See :mod:`~ignite_ext.distributed.liveness.keeper`. Off (``0``), a death is found by its silence only (within
     ``4/3 T``) and a rank whose heartbeat thread cannot run for ``T`` (a long GIL hold) is declared dead.
@@ -131,4 +144,4 @@ def process_watch() -> bool:
 
     .. versionadded:: 0.3.0
     """
-    return os.environ.get("IGNITE_EXT_PROCESS_WATCH", "1") != "0"
+    return PROCESS_WATCH.read()

@@ -7,7 +7,8 @@ together:
 1. rank 0 starts a TCPStore server on a free port (``IGNITE_EXT_STORE_PORT`` to pin one);
 2. one broadcast of the backend tells every rank its address: ``IGNITE_EXT_STORE_ADDR`` if set, else the host name
    the launcher gave rank 0 (``HOROVOD_HOSTNAME``), else rank 0's host name;
-3. every other rank connects (within ``IGNITE_EXT_STORE_CONNECT_TIMEOUT`` seconds, default 30);
+3. every other rank connects (within ``IGNITE_EXT_STORE_CONNECT_TIMEOUT`` seconds, default 30; these variables are
+   on the docs' settings page, :doc:`/settings`);
 4. one all-reduce of one integer tells every rank whether all of them connected. If one did not (a firewall, a
    name that does not resolve on every host), every rank uses the collective channel instead, and rank 0 logs
    why. The store channel needs every rank.
@@ -32,6 +33,7 @@ import ignite.distributed as idist
 import ignite.distributed.utils as idist_utils
 
 from ignite_ext.distributed.store.clients import Store
+from ignite_ext.settings import STORE_ADDR, STORE_CONNECT_TIMEOUT, STORE_PORT
 
 if TYPE_CHECKING:  # as Store: declared in the stub of torch's extension, exported by torch.distributed
     from torch._C._distributed_c10d import TCPStore
@@ -67,16 +69,17 @@ def store_address() -> str:
 
     .. versionadded:: 0.2.0
     """
-    for name in ("IGNITE_EXT_STORE_ADDR", "HOROVOD_HOSTNAME"):
-        if value := os.environ.get(name, "").strip():
-            return value
+    if value := STORE_ADDR.read():
+        return value
+    if value := os.environ.get("HOROVOD_HOSTNAME", "").strip():
+        return value
     return socket.gethostname()
 
 
 def _serve() -> tuple[Store | None, str]:
     """Rank 0: a server, and its ``host:port`` (or None and the reason it could not start)."""
     try:
-        port = int(os.environ.get("IGNITE_EXT_STORE_PORT", "0"))
+        port = STORE_PORT.read()
         server = TCPStore("127.0.0.1", port, None, True, _OPERATION_TIMEOUT, wait_for_workers=False, use_libuv=True)
     except (RuntimeError, ValueError, OSError) as exc:
         return None, f"!no TCPStore server could start on rank 0: {type(exc).__name__}: {exc}".splitlines()[0]
@@ -91,7 +94,7 @@ def _connect(address: str) -> Store | None:
             int(port),
             None,
             False,
-            timedelta(seconds=_connect_timeout()),
+            timedelta(seconds=STORE_CONNECT_TIMEOUT.read()),
             wait_for_workers=False,
             use_libuv=True,
         )
@@ -99,14 +102,6 @@ def _connect(address: str) -> Store | None:
         return None
     client.set_timeout(_OPERATION_TIMEOUT)
     return client
-
-
-def _connect_timeout() -> float:
-    """``IGNITE_EXT_STORE_CONNECT_TIMEOUT`` seconds, 30 when unset or not a number."""
-    try:
-        return float(os.environ.get("IGNITE_EXT_STORE_CONNECT_TIMEOUT", "30"))
-    except ValueError:
-        return 30.0
 
 
 def existing_side_store() -> Store | None:

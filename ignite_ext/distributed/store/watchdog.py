@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 from ignite_ext.distributed.store.clients import innermost
+from ignite_ext.settings import STORE_WATCHDOG
 
 __all__ = ["Watchdog", "store_port", "watchdog", "watchdog_enabled"]
 
@@ -183,6 +184,8 @@ def watchdog() -> Watchdog:
 def watchdog_enabled() -> bool:
     """False when ``IGNITE_EXT_STORE_WATCHDOG=0``: a silent store then blocks its requests until TCP gives up.
 
+    The docs' settings page (:doc:`/settings`) lists it with the package's other variables.
+
     .. versionadded:: 0.2.0
     """
-    return os.environ.get("IGNITE_EXT_STORE_WATCHDOG", "1") != "0"
+    return STORE_WATCHDOG.read()
