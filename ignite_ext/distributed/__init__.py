@@ -16,7 +16,7 @@ from ignite.distributed import *  # noqa: F403
 # exported through the star import above; name it explicitly (it is the very same class).
 from ignite.distributed.launcher import Parallel as Parallel
 
-from ignite_ext.distributed import _aliases
+from ignite_ext.distributed import _aliases, _torchrun_in_slurm
 from ignite_ext.distributed.agreement import agree
 from ignite_ext.distributed.errors import (
     CollectiveError,
@@ -72,6 +72,8 @@ _aliases.install()
 # Under torchrun's agent store, each incarnation of a group forms on a store of its own (no attempt reads the
 # peer addresses or block keys of the attempt before): torch's env:// rendezvous, wrapped before any group forms.
 _incarnation.install()
+# torchrun inside a Slurm job step: ignite reads torchrun's variables (the ranks), not Slurm's (the agents).
+_torchrun_in_slurm.install()
 # A rank beats from the moment its process group exists, so that dying before its first block is noticed.
 _watch_for_groups()
 # ``from ignite.distributed import *`` bound ignite's utils here: a plain ``from . import utils`` would return it.
