@@ -18,6 +18,7 @@ a block; the verdict carries the lowest mark of all ranks, and the keys of every
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections.abc import Iterator
@@ -120,6 +121,14 @@ _BY_STORE: weakref.WeakKeyDictionary[Any, GroupState] = weakref.WeakKeyDictionar
 # Groups without a store of their own (Horovod, XLA, serial): their one world per process.
 _WITHOUT_STORE = GroupState()
 _GUARD = threading.Lock()
+
+
+def _new_guard_in_child() -> None:
+    global _GUARD
+    _GUARD = threading.Lock()  # another thread may have held it at the fork: nobody would release it here
+
+
+os.register_at_fork(after_in_child=_new_guard_in_child)
 
 
 def group_state(store: object | None) -> GroupState:

@@ -496,8 +496,10 @@ def watch_for_groups() -> bool:
 
 
 def _after_fork() -> None:
-    _WATCHING.clear()  # the thread did not come along
-    if group_store() is None:
+    global _WATCHING
+    # The thread did not come along; a new event, as the old one's lock may have been held at the fork.
+    _WATCHING = threading.Event()
+    if group_store() is None:  # the store's lock is new in the child too (store.clients)
         _WATCHING.set()
         threading.Thread(target=_watch, name="ignite_ext-group-watch", daemon=True).start()
 

@@ -260,7 +260,9 @@ def _clones(store: Store) -> bool:
 
 
 def _forget_namespaces() -> None:
+    global _GUARD
     _NAMESPACED.clear()  # a forked child must not share its parent's connections: it opens its own when asked
+    _GUARD = threading.Lock()  # another thread may have held it at the fork: nobody would release it here
 
 
 os.register_at_fork(after_in_child=_forget_namespaces)
