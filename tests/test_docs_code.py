@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from tests._world import free_port
+from tests._world import _kill_tree, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted(p for p in (REPO / "docs").rglob("*.rst") if "_build" not in p.parts)]
@@ -210,8 +210,7 @@ def _run(command: str, folder: Path) -> tuple[int, str]:
     try:
         out, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        _kill_tree(proc)  # torchrun's ranks are in sessions of their own: the whole tree goes
         out, _ = proc.communicate()
         pytest.fail(f"{command} ran past {RUN_TIMEOUT_S:.0f} s; output:\n{out[-4000:]}")
     with contextlib.suppress(ProcessLookupError):
