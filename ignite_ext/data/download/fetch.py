@@ -441,7 +441,10 @@ def _sleep(seconds: float, job: Job, url: str) -> None:
 
 
 def _checksum_error(url: str, algorithm: str, expected: str, actual: str) -> ChecksumError:
-    message = f"{url}: {algorithm} mismatch: expected {expected}, got {actual}"
+    message = (
+        f"{url}: {algorithm} mismatch: expected {expected}, got {actual}: the {algorithm} passed is wrong, or the "
+        "file changed on the server; check the digest, and pass the new one if the change is expected"
+    )
     return ChecksumError(message, algorithm=algorithm, expected=expected, actual=actual, url=url)
 
 
