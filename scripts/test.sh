@@ -51,6 +51,15 @@ else
   echo "[test] !!! SIMULATED HOSTS UNAVAILABLE: the multi-host tests (tests/hosts) will be skipped: $HOSTS_PROBE"
   export IGNITE_EXT_HOSTS_UNAVAILABLE="${HOSTS_PROBE:-the probe (python -m tests._hosts) failed without a word}"
 fi
+# A Slurm node for tests/slurm (slurm-wlm and munge, as root): probed here; where it cannot start, the suite says so
+# loudly and the Slurm tests skip with the reason.
+echo "[test] slurm"
+if SLURM_PROBE="$(python -m tests._slurm 2>&1)"; then
+  echo "[test] $SLURM_PROBE"
+else
+  echo "[test] !!! SLURM UNAVAILABLE: the Slurm tests (tests/slurm) will be skipped: $SLURM_PROBE"
+  export IGNITE_EXT_SLURM_UNAVAILABLE="${SLURM_PROBE:-the probe (python -m tests._slurm) failed without a word}"
+fi
 echo "[test] pytest"; python -m pytest "$@"
 # The tests with DataLoader workers again, on a second interpreter without CPython's fork deadlock (Python 3.12, in
 # an environment of its own with PyPI's torch 2.13.0): in the background, beside the contract run and the docs

@@ -39,6 +39,8 @@ RUN_TIMEOUT_S = 150.0
 PROGRAM = re.compile(r"^# ([\w.-]+\.py)$")
 FRAGMENT = re.compile(r"^# From (\S+\.py)\b")
 EXITS = re.compile(r"\s+# exits with (\d+)$")
+#: Commands that need a Slurm cluster: tests/slurm runs them, on a node it starts.
+SLURM_COMMANDS = ("srun ", "sbatch ", "scancel ", "scontrol ")
 
 
 @dataclass
@@ -179,7 +181,11 @@ def _commands_for(name: str, program: Block) -> list[tuple[str, list[str]]]:
     commands = []
     for block in ALL_BLOCKS:
         if block.page == program.page and block.language in ("console", "shell-session"):
-            commands += [c for c in _console_commands(block) if name in shlex.split(EXITS.split(c[0])[0])]
+            commands += [
+                c
+                for c in _console_commands(block)
+                if name in shlex.split(EXITS.split(c[0])[0]) and not c[0].startswith(SLURM_COMMANDS)
+            ]
     return commands or [(f"python {name}", [])]
 
 

@@ -1,0 +1,263 @@
+"""A Slurm cluster of one node on this machine, made and torn down by the test that uses it.
+
+A :class:`SlurmBed` starts, each in the foreground under this process:
+
+* ``munged``, as the munge user, with a key, socket, seed and log of its own under the bed's directory (Slurm's
+  daemons and commands authenticate through it: ``AuthInfo=socket=...``);
+* ``slurmctld`` and one ``slurmd``, as root, with a ``slurm.conf`` of the bed's own (``SLURM_CONF``): the node is
+  this machine's short hostname at ``127.0.0.1``, both daemons listen on free ports, state and spool live in the
+  bed's directory. No systemd, no cgroups (``proctrack/linuxproc``, ``task/none``), no accounting.
+
+:meth:`SlurmBed.close` cancels every job, kills the daemons (their process groups: whatever they started goes with
+them) and removes the directory. :attr:`SlurmBed.env` is the environment for ``srun``, ``sbatch`` and the others.
+
+``python -m tests._slurm`` says whether such a bed can be made here (exit status 1 and the reason when it cannot);
+``scripts/test.sh`` runs it and exports the reason in ``IGNITE_EXT_SLURM_UNAVAILABLE``, with which the tests of
+``tests/slurm`` skip.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pwd
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tests._world import free_port
+
+__all__ = ["UNAVAILABLE_ENV", "SlurmBed", "unavailable"]
+
+UNAVAILABLE_ENV = "IGNITE_EXT_SLURM_UNAVAILABLE"
+_TOOLS = ("munged", "slurmctld", "slurmd", "srun", "sbatch", "scontrol", "scancel", "sinfo")
+_START_TIMEOUT_S = 30.0
+#: More CPUs than the machine has (``SlurmdParameters=config_overrides``): a few 2-rank jobs at once on 2 cores.
+_CPUS = 8
+
+_CONF = """\
+ClusterName=ietest
+FirstJobId={first_job_id}
+SlurmctldHost={node}(127.0.0.1)
+SlurmctldPort={ctld_port}
+SlurmdPort={slurmd_port}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+AuthInfo=socket={munge_socket}
+CredType=cred/munge
+MpiDefault=none
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SlurmdParameters=config_overrides
+SchedulerType=sched/builtin
+ReturnToService=2
+KillWait=2
+SlurmdTimeout=10
+SlurmctldTimeout=10
+MessageTimeout=10
+InactiveLimit=0
+MinJobAge=30
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd.pid
+SlurmctldLogFile={root}/slurmctld.log
+SlurmdLogFile={root}/slurmd.log
+NodeName={node} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN
+PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+def unavailable() -> str | None:
+    """Why a Slurm bed cannot be made here (None when it can): the exported reason, or what is missing."""
+    reason = os.environ.get(UNAVAILABLE_ENV)
+    if reason:
+        return reason
+    if sys.platform != "linux":
+        return f"the Slurm test bed needs Linux, not {sys.platform}"
+    if os.geteuid() != 0:
+        return "the Slurm test bed needs root (slurmd starts jobs as their user; munged runs as the munge user)"
+    missing = [tool for tool in _TOOLS if shutil.which(tool) is None]
+    if missing:
+        return f"the Slurm test bed needs {', '.join(missing)} (Debian: apt-get install slurm-wlm munge)"
+    try:
+        pwd.getpwnam("munge")
+    except KeyError:
+        return "the Slurm test bed needs the munge user (Debian's munge package makes it)"
+    try:
+        socket.gethostbyname(socket.gethostname().split(".")[0])
+    except OSError as exc:
+        return f"this machine's hostname does not resolve, and Slurm's node must: {exc}"
+    return None
+
+
+class SlurmBed:
+    """One Slurm node on this machine: ``munged``, ``slurmctld`` and ``slurmd``, in a directory of their own."""
+
+    def __init__(self) -> None:
+        self.root = Path(tempfile.mkdtemp(prefix="ignite_ext_slurm_"))
+        self.root.chmod(0o755)  # munged refuses a socket directory others may write to, or cannot reach
+        self.node = socket.gethostname().split(".")[0]
+        self._daemons: list[subprocess.Popen[bytes]] = []
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def conf(self) -> Path:
+        return self.root / "slurm.conf"
+
+    @property
+    def env(self) -> dict[str, str]:
+        """This process's environment, with the bed's ``SLURM_CONF`` and no variable of an enclosing job."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "SRUN_"))}
+        return {**env, "SLURM_CONF": str(self.conf)}
+
+    def _daemon(self, argv: list[str], log: str, user: str | None = None) -> None:
+        with open(self.root / log, "ab") as out:
+            self._daemons.append(
+                subprocess.Popen(
+                    argv,
+                    env=self.env,
+                    user=user,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # teardown kills the group: a daemon's children go with it
+                )
+            )
+
+    def _start(self) -> None:
+        munge = self.root / "munge"
+        munge.mkdir()
+        munge.chmod(0o755)  # the socket's directory: every user may reach it, only munge may write
+        key = munge / "munge.key"
+        key.write_bytes(os.urandom(1024))
+        key.chmod(0o400)
+        owner = pwd.getpwnam("munge")
+        for path in (munge, key):
+            os.chown(path, owner.pw_uid, owner.pw_gid)
+        self.munge_socket = munge / "munge.socket"
+        self.conf.write_text(
+            _CONF.format(
+                node=self.node,
+                ctld_port=free_port(),
+                slurmd_port=free_port(),
+                munge_socket=self.munge_socket,
+                root=self.root,
+                cpus=_CPUS,
+                # ignite's Parallel under srun takes its port from the job id (15000 + its last 4 digits): beds
+                # of concurrent runs number their jobs apart, so that they rarely meet on one port.
+                first_job_id=secrets.randbelow(9000) + 1000,
+            )
+        )
+        for sub in ("state", "spool"):
+            (self.root / sub).mkdir()
+        self._daemon(
+            [
+                "munged",
+                "--foreground",
+                f"--socket={self.munge_socket}",
+                f"--key-file={key}",
+                f"--pid-file={munge / 'munged.pid'}",
+                f"--seed-file={munge / 'munged.seed'}",
+                f"--log-file={munge / 'munged.log'}",
+            ],
+            "munged.out",
+            user="munge",
+        )
+        self._wait_for(lambda: self.munge_socket.exists(), "munged's socket")
+        self._daemon(["slurmctld", "-D", "-i", "-f", str(self.conf)], "slurmctld.out")
+        self._daemon(["slurmd", "-D", "-N", self.node, "-f", str(self.conf)], "slurmd.out")
+        self._wait_for(self._node_idle, f"node {self.node} idle in sinfo")
+
+    def _node_idle(self) -> bool:
+        state = self.run(["sinfo", "-h", "-N", "-n", self.node, "-o", "%t"], check=False)
+        return state.strip() == "idle"
+
+    def _wait_for(self, ready: object, what: str) -> None:
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while not ready():  # type: ignore[operator]
+            dead = [d.args[0] for d in self._daemons if d.poll() is not None]
+            if dead or time.monotonic() > deadline:
+                why = f"{', '.join(dead)} exited" if dead else f"not within {_START_TIMEOUT_S:.0f} s"
+                raise RuntimeError(f"Slurm test bed: waiting for {what}: {why}\n{self.logs()}")
+            time.sleep(0.1)
+
+    def run(self, argv: list[str], check: bool = True, timeout: float = 20.0) -> str:
+        """Run a Slurm command (``scontrol``, ``sinfo``...) against the bed; its output."""
+        done = subprocess.run(argv, env=self.env, capture_output=True, text=True, timeout=timeout)
+        if check and done.returncode != 0:
+            raise RuntimeError(f"{' '.join(argv)} exited with {done.returncode}: {done.stderr.strip()}")
+        return done.stdout
+
+    def logs(self, lines: int = 15) -> str:
+        """The last lines of every daemon's log."""
+        out = []
+        for log in sorted(self.root.rglob("*.log")) + sorted(self.root.glob("*.out")):
+            text = log.read_text(errors="replace").splitlines()[-lines:]
+            out.append(f"--- {log.name}\n" + "\n".join(text))
+        return "\n".join(out)
+
+    def cancel(self) -> None:
+        """Cancel every job of the bed (a test's teardown: a job that outlived its deadline ends here)."""
+        self.run(["scancel", "--full", "--quiet", "--user=root"], check=False, timeout=10.0)
+
+    def close(self) -> None:
+        """Cancel every job, kill the daemons and what they started, remove the directory."""
+        if self._daemons and self._daemons[-1].poll() is None:
+            with contextlib.suppress(Exception):
+                self.cancel()
+        for daemon in reversed(self._daemons):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(daemon.pid, signal.SIGTERM)
+        for daemon in reversed(self._daemons):
+            try:
+                daemon.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(daemon.pid, signal.SIGKILL)
+                daemon.wait()
+        self._daemons.clear()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def __enter__(self) -> SlurmBed:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def main() -> int:
+    reason = unavailable()
+    if reason is None:
+        try:
+            with SlurmBed() as bed:
+                out = bed.run(["srun", "-n", "2", "--time=1", "hostname"], timeout=60.0).split()
+                version = bed.run(["sinfo", "--version"]).strip()
+            if out != [bed.node, bed.node]:
+                reason = f"srun -n 2 hostname printed {out}, not {bed.node} twice"
+        except Exception as exc:
+            reason = f"cannot start a Slurm node: {exc}"
+    if reason:
+        print(reason)
+        return 1
+    print(f"a Slurm node (munged, slurmctld, slurmd) starts here: {version}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
