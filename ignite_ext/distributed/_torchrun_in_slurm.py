@@ -30,8 +30,6 @@ __all__ = ["install", "launched_by_torchrun", "slurm_hidden"]
 
 #: What torchrun sets in every process it starts (``torch.distributed.run``), besides ``TORCHELASTIC_RUN_ID``.
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-#: The variable every Slurm branch of ignite's native model tests.
-SLURM_MARKER = "SLURM_JOB_ID"
 _WRAPPED = "__ignite_ext_torchrun_in_slurm__"
 
 
@@ -62,8 +60,9 @@ def slurm_hidden() -> Iterator[dict[str, str]]:
     .. versionadded:: 0.6.0
     """
     hidden: dict[str, str] = {}
-    if SLURM_MARKER in os.environ and launched_by_torchrun():
-        hidden[SLURM_MARKER] = os.environ.pop(SLURM_MARKER)
+    # SLURM_JOB_ID: the variable every Slurm branch of ignite's native model tests.
+    if "SLURM_JOB_ID" in os.environ and launched_by_torchrun():
+        hidden["SLURM_JOB_ID"] = os.environ.pop("SLURM_JOB_ID")
     try:
         yield hidden
     finally:
