@@ -70,11 +70,6 @@ def _run(slurm: SlurmBed, command: str, folder: Path, deadline: int = DEADLINE_S
     return done.returncode, done.stdout
 
 
-@pytest.mark.xfail(
-    reason="under pytest, the second job of a folder printed 257 loads, 255 hits (3 runs in 3); the same commands "
-    "by hand print 256/256: not explained yet",
-    strict=False,
-)
 def test_the_pages_slurm_recipes_run_as_shown(slurm: SlurmBed, tmp_path: Path) -> None:
     blocks = _section_blocks()
     commands = [c for b in blocks if b.language == "console" for c in _console_commands(b)]
@@ -138,4 +133,6 @@ def test_plain_ignite_beside(slurm: SlurmBed, tmp_path: Path) -> None:
     refused = outputs["two-torchruns-one-node"][1]
     assert "inconsistent with equivalent SLURM env variable" in refused, refused[-4000:]
     srun_out = outputs["srun"][1]
-    assert "rank 1 raised RuntimeError: " in srun_out and "Connection closed by peer" in srun_out, srun_out[-4000:]
+    # gloo says "closed" or "reset", by which end of the connection went first
+    assert "rank 1 raised RuntimeError: " in srun_out, srun_out[-4000:]
+    assert re.search(r"Connection (?:closed|reset) by peer", srun_out), srun_out[-4000:]
