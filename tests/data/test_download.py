@@ -427,3 +427,18 @@ def test_corrupt_partial_is_fetched_again_whole(server: TestHTTPServer, tmp_path
         f.write(bytes(1000))
     assert download_url(url, tmp_path, sha256=SHA, retries=0, progress=False).read_bytes() == DATA
     assert [(r.range, r.status) for r in server.requests("/a.bin")][1:] == [("bytes=100000-", 206), (None, 200)]
+
+
+def test_a_missing_local_file_fails_at_once_and_the_next_mirror_is_tried(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A file:// source that is not there is a 404, not a network fault: no retries with backoff (3 of them took
+    # about 10 s before the error), and the next mirror is asked at once.
+    missing = (tmp_path / "missing.bin").as_uri()
+    with caplog.at_level(logging.DEBUG, logger="ignite_ext"), pytest.raises(DownloadError) as raised:
+        download_url(missing, tmp_path / "root", retries=3, progress=False)
+    assert "FileNotFoundError" in str(raised.value) and "retrying" not in caplog.text, caplog.text
+    mirror = tmp_path / "mirror.bin"
+    mirror.write_bytes(b"found")
+    got = download_url(missing, tmp_path / "root2", filename="data.bin", mirrors=[mirror.as_uri()], retries=3)
+    assert got.read_bytes() == b"found" and "retrying" not in caplog.text, caplog.text

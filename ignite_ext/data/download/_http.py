@@ -391,6 +391,8 @@ def open_range(
     except urllib.error.HTTPError as exc:
         return _from_http_error(url, exc, offset if resume else 0)
     except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
+        if _no_such_file(url, exc):  # a local file that is not there is a 404: asking again will not make it
+            raise FatalHTTPError(f"{url}: {_reason(exc)}", 0) from exc
         raise RetryableError(f"{url}: {_reason(exc)}") from exc
     return _from_success(url, raw, offset if resume else 0, validator if resume else None, total, stop, lengths)
 
@@ -503,6 +505,12 @@ def _retry_after(headers: Message | None) -> float | None:
     except (TypeError, ValueError):
         return None
     return max(0.0, when.timestamp() - time.time())
+
+
+def _no_such_file(url: str, exc: BaseException) -> bool:
+    reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+    missing = isinstance(reason, FileNotFoundError | NotADirectoryError | IsADirectoryError)
+    return missing and urllib.parse.urlsplit(url).scheme == "file"
 
 
 def _reason(exc: BaseException) -> str:
