@@ -27,7 +27,12 @@ heartbeat's alone.
 The keeper's costs: no store request while its rank beats; one ``add`` per beat while its rank is silent; on a
 death, about ``4 + 2 L + c`` requests (``L`` ranks on the host, ``c`` cuts so far).
 
+The keeper ignores ``SIGINT``, ``SIGTERM`` and ``SIGHUP``: a launcher signals every process of a job (Slurm's
+``scancel`` and preemption), and a rank that handles ``SIGTERM`` to save a checkpoint stays watched until it ends.
+
 .. versionadded:: 0.3.0
+.. versionchanged:: 0.6.0
+   The keeper outlives a ``SIGTERM`` or ``SIGHUP`` its rank survives.
 """
 
 from __future__ import annotations
@@ -248,7 +253,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     host, port, prefix, rank, world_size, parent, beats, every = args[:8]
     flavour = args[8] if len(args) > 8 else "validated"
     identity = args[9] if len(args) > 9 else None
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C of the job's process group is for the ranks to see
+    # A Ctrl-C of the job's process group, and the SIGTERM a launcher sends every process of a job (Slurm's scancel
+    # and preemption, torchrun's stop), are for the ranks: a rank that handles SIGTERM to checkpoint is still
+    # watched, and its keeper leaves when it does (its pidfd, or its goodbye).
+    for name in ("SIGINT", "SIGTERM", "SIGHUP"):
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
     try:
         wire = _Lazy(host, int(port), prefix, max(5.0, 6 * float(every)), flavour)
         _keep(wire, int(rank), int(world_size), int(parent), int(beats), float(every), identity)

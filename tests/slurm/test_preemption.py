@@ -1,0 +1,94 @@
+"""Slurm's SIGTERM, on a Slurm node the test starts: what a job that handles it, or is requeued, gets.
+
+* A rank that handles ``SIGTERM`` (to save a checkpoint) is still watched by its keeper: Slurm signals every
+  process of the job, the keepers included, and a keeper that died with it left a death in that window to the
+  heartbeat alone (``IGNITE_EXT_HEARTBEAT_TIMEOUT`` later).
+
+Every command runs under ``timeout``; the fixture cancels what a test's jobs left.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests._slurm import SlurmBed
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+#: A 2-rank gloo job starts in 3-6 s here; the margin is for a loaded machine.
+DEADLINE_S = 120
+#: The heartbeat timeout of the handled-SIGTERM job: a death it alone sees is reported this late.
+HEARTBEAT_TIMEOUT_S = 30.0
+
+
+def _env(slurm: SlurmBed, **extra: str) -> dict[str, str]:
+    return {
+        **slurm.env,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+        **extra,
+    }
+
+
+def _lines_until(proc: subprocess.Popen[str], pattern: str, count: int, deadline: float) -> list[re.Match[str]]:
+    """Read ``proc``'s output until ``count`` lines match ``pattern`` (an error showing what it read, if not)."""
+    assert proc.stdout is not None
+    found: list[re.Match[str]] = []
+    seen: list[str] = []
+    while len(found) < count:
+        left = deadline - time.monotonic()
+        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, left))
+        line = proc.stdout.readline() if ready else ""
+        if not line:
+            raise AssertionError(f"{count} lines matching {pattern!r} did not come; output:\n{''.join(seen)}")
+        seen.append(line)
+        if match := re.match(pattern, line):
+            found.append(match)
+    return found
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state == "Z"
+
+
+def test_a_rank_that_handles_sigterm_is_still_watched_by_its_keeper(slurm: SlurmBed) -> None:
+    env = _env(slurm, IGNITE_EXT_HEARTBEAT_TIMEOUT=str(HEARTBEAT_TIMEOUT_S))
+    body = [sys.executable, "-m", "tests.slurm._checkpoint_body"]
+    argv = ["timeout", "-k", "5", str(DEADLINE_S), "srun", "-n", "2", *body]
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        ready = _lines_until(proc, r"ready (\d) (\d+) (\d+)", 2, time.monotonic() + DEADLINE_S)
+        keepers = [int(m.group(3)) for m in ready]
+        assert all(keepers), f"a rank has no keeper: {[m.group(0) for m in ready]}"
+        # What scancel and preemption send first: SIGTERM to every process of the job's steps, keepers included.
+        slurm.run(["scancel", "--signal=TERM", ready[0].group(2)])
+        out, _ = proc.communicate(timeout=DEADLINE_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    report = re.search(r"rank 0 raised (\w+) after ([\d.]+) s: (.*)", out)
+    assert report, out[-4000:]
+    kind, seconds, message = report.group(1), float(report.group(2)), report.group(3)
+    assert kind == "RankFailedError" and "[1]" in message, out[-4000:]
+    # The keeper reports a death within its settle time (0.1 s) plus a store round trip; the heartbeat alone, only
+    # after its timeout: a third of it leaves a loaded machine 10 s.
+    assert seconds < HEARTBEAT_TIMEOUT_S / 3, f"rank 1's death was seen after {seconds} s: {out[-4000:]}"
+    deadline = time.monotonic() + 10
+    while not all(_gone(pid) for pid in keepers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(_gone(pid) for pid in keepers), f"keepers {keepers} outlived their ranks"
