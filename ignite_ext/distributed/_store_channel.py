@@ -23,8 +23,9 @@ next step: the others have given up on it.
 heartbeat thread (:mod:`ignite_ext.distributed._chores`), once every rank has left it.
 
 **Cost** per rank and block, nothing failing: about 11 requests plus 4 per slice waited (see the scheduling
-guide); per beat 2 requests; the last rank to enter additionally reads the N entries (one ``multi_get``), judges
-them and wakes the others (one ``multi_set``): nobody relays the entries to a fixed judge.
+guide); per beat 2 requests; the last rank to enter additionally reads the N entries (one ``multi_get``, or a read
+each of the others' with at most three ranks), judges them and wakes the others (one ``multi_set``): nobody relays
+the entries to a fixed judge.
 
 .. versionadded:: 0.2.0
 """
@@ -339,11 +340,25 @@ class StoreChannel(Channel):
         if int(client.add(keys.entered, 1)) != self.world_size:
             # Not posted yet (the last rank to enter has yet to come), or posted and this rank's key set already.
             return self._wait(lambda: read(client, keys.verdict), "every rank to enter", "entry", checked=True)
-        verdict = judge([bytes(v) for v in client.multi_get([keys.entry(r) for r in range(self.world_size)])])
+        verdict = judge(self._entries(mine))
         if not put_once(client, keys.verdict, verdict):
             return bytes(client.get(keys.verdict))  # a death was posted meanwhile: it wins
         self._wake_all("entry")
         return verdict
+
+    def _entries(self, mine: bytes) -> list[bytes]:
+        """Every rank's entry, in rank order, as the last rank to enter reads them.
+
+        torch's ``multi_get`` first waits for its keys, a round trip of its own. Each rank sets its entry before
+        counting itself, on the same connection, so every entry is there once the count is full: with at most two
+        others to read, a read each costs no more, and with one (two ranks) a round trip less.
+        """
+        keys = [self.keys.entry(r) for r in range(self.world_size)]
+        if self.world_size <= 3:
+            found = [mine if r == self.rank else read(self.client, key) for r, key in enumerate(keys)]
+            if all(entry is not None for entry in found):
+                return [entry for entry in found if entry is not None]
+        return [bytes(v) for v in self.client.multi_get(keys)]
 
     def _record_exit(self, own: list[RankFailure]) -> int:
         """Count this exit (and post ``own`` failures); return ``exits`` as it now is."""

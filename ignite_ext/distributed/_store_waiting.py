@@ -119,6 +119,9 @@ class StoreWaiter:
         self._chores = chores
         self._started = time.monotonic()
         self._port = store_port(client)  # None: not a TCPStore, nothing to watch (see step)
+        # Read once per block: a block's steps and waits would otherwise read the environment a dozen times.
+        self._silence = heartbeat_timeout()
+        self._watched = self._port is not None and watchdog_enabled()
         self._token: int | None = None  # the step under way, on the watchdog
         self._ends_at = float("inf")
 
@@ -138,7 +141,7 @@ class StoreWaiter:
         down, and the step raises ``StoreLostError``. ``IGNITE_EXT_STORE_WATCHDOG=0`` turns the watchdog off (a
         silent store then blocks until TCP gives up).
         """
-        if self._port is None or not watchdog_enabled():
+        if not self._watched or self._port is None:
             return guarded(step, self.rank, self.label)
         now = time.monotonic()
         # A step begun after the timeout (a first rank leaving after working longer) still gets the grace.
@@ -146,7 +149,7 @@ class StoreWaiter:
             float("inf") if self.timeout is None else max(now, self._started + self.timeout) + _STORE_GRACE_S
         )
         dog = watchdog()
-        self._token = dog.arm(min(now + heartbeat_timeout(), self._ends_at), self._port)
+        self._token = dog.arm(min(now + self._silence, self._ends_at), self._port)
         try:
             value = guarded(step, self.rank, self.label)
         except StoreLostError as exc:
@@ -167,7 +170,7 @@ class StoreWaiter:
     def _expect_answer_within(self, seconds: float) -> None:
         """The request about to be sent may take ``seconds`` (a wait): move the step's deadline accordingly."""
         if self._token is not None:
-            watchdog().extend(self._token, min(time.monotonic() + seconds + heartbeat_timeout(), self._ends_at))
+            watchdog().extend(self._token, min(time.monotonic() + seconds + self._silence, self._ends_at))
 
     def wait(
         self,

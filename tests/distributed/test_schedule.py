@@ -246,6 +246,29 @@ def test_bad_input_is_a_value_error_on_every_rank(world: World, kind: str) -> No
         assert "ranks [0, 1]" in seen[3]["message"] and "ranks [2, 3]" in seen[0]["message"]
 
 
+def body_small_world() -> list[str]:
+    seen = []
+    for _ in range(3):
+        with idist.one_rank_first() as first:
+            seen.append("first" if first else "after")
+    try:
+        with idist.one_rank_first(rank=min(idist.get_rank(), 1)):
+            seen.append("ran")
+    except ValueError as exc:
+        seen.append(str(exc))
+    return seen
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_two_and_three_ranks_judge_the_entries_they_read_one_by_one(world: World, nprocs: int) -> None:
+    # With at most two other entries, the last rank to enter reads each one instead of a multi_get.
+    seen = world(body_small_world, nprocs=nprocs)
+    assert [s[:3] for s in seen] == [["first"] * 3] + [["after"] * 3] * (nprocs - 1)
+    for s in seen:
+        assert "different one_rank_first arguments" in s[3] and "ranks [0]" in s[3], s
+        assert "ranks [1]" in s[3] or "ranks [1, 2]" in s[3], s
+
+
 @pytest.mark.slow
 def test_first_block_may_outlive_the_process_group_timeout(world: World) -> None:
     seen = world(_bodies.long_first_rank, 15.0, pg_timeout=5.0, deadline=90)
