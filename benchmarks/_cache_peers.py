@@ -9,7 +9,8 @@ one JSON line each, and every reply is one JSON line on ``REPLY_FD`` (stdout is 
 * ``setup``: build the variant from the source dataset; replies the seconds it took;
 * ``epoch``: one epoch through the variant's loader; replies the seconds, the samples seen by this rank and the sum
   of their labels (every sample's label is its index, so a complete epoch is recognised);
-* ``pids``: this process, its DataLoader workers and the files that hold the variant's data, for the RAM measure;
+* ``pids``: this process, its DataLoader workers and the files that hold the variant's data, for the RAM measure,
+  and how many objects this process froze (``gc.get_freeze_count()``);
 * ``inplace``: what writing into a sample read from the dataset does (rank 0 only);
 * ``quit``.
 
@@ -42,6 +43,7 @@ themselves.
 from __future__ import annotations
 
 import functools
+import gc
 import glob
 import json
 import os
@@ -269,7 +271,8 @@ class Variant:
         iterator = getattr(self.loader, "_iterator", None)
         workers = [w.pid for w in getattr(iterator, "_workers", [])]
         files = [f for f in self.files if os.path.isfile(f)]
-        return {"pids": [os.getpid(), *workers], "files": files}
+        # Objects this rank froze (gc.freeze): none unless the package froze them (a CachedDataset was made here).
+        return {"pids": [os.getpid(), *workers], "files": files, "frozen": gc.get_freeze_count()}
 
     def _read(self, i: int) -> Any:
         sample = self.dataset[i]

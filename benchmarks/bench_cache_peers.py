@@ -27,8 +27,11 @@ Measures, per sample size and number of ranks:
   of all its processes (every rank and worker) plus the page cache of its data files that no process maps
   (:mod:`benchmarks._node_memory`); ``workers_MiB`` is the part of the PSS in the DataLoader workers;
   ``main_private_dirty_MiB`` and ``worker_private_dirty_MiB`` what the largest main process and the largest worker
-  hold alone (``Private_Dirty`` of their anonymous memory and heap); ``peak_PSS_MiB``: the peak of the PSS during
-  the last epoch, sampled every 50 ms (what a user's ``top`` shows);
+  hold alone (``Private_Dirty`` of their anonymous memory and heap); ``peak_PSS_MiB``: the peak of the PSS of
+  the ranks and their workers together during the cached epochs, sampled every 50 ms (what a user's ``top`` or
+  ``smem`` shows), ``peak_ranks_MiB`` the ranks' part of it and ``ranks_PSS_MiB`` the ranks' PSS after the last
+  epoch; ``rank_frozen_objects``: what a rank froze (``gc.get_freeze_count()``). The in-memory baseline freezes
+  nothing, as a user's plain in-memory dataset does not (the run fails if it did);
 * **in-place write**: what writing into a sample read from the dataset does to a later read of it.
 
 Every epoch of every variant is checked to deliver each sample exactly once (count and sum of labels across the
@@ -185,7 +188,9 @@ class Group:
         mains = [a["pids"][0] for a in answers]
         return {
             **group_memory(pids, files),
+            "ranks": sum(pss(p) for p in mains),
             "workers": sum(pss(p) for p in workers),
+            "frozen": max(a["frozen"] for a in answers),
             # What each process alone holds: the largest of the ranks' main processes and of their workers.
             "main_private": max(private_dirty(p) for p in mains),
             "worker_private": max((private_dirty(p) for p in workers), default=0),
@@ -266,11 +271,14 @@ def _alone(python: str, variant: str, source: str, n: int, numel: int, ranks: in
     group = Group(python, variant, source, n, numel, ranks, tmp)
     try:
         setup = group.ask("setup")
-        peak = PeakPss(proc.pid for proc in group.procs)  # sampled in the last epoch before the RAM is read
+        peak = PeakPss(proc.pid for proc in group.procs)  # sampled in the cached epochs before the RAM is read
         first = max(a["s"] for a in setup) + group.epoch(n, during=peak if RAM_EPOCHS == 1 else None)
-        for i in range(RAM_EPOCHS - 1):
-            group.epoch(n, during=peak if i == RAM_EPOCHS - 2 else None)  # the last cached epoch, sampled
+        for _ in range(RAM_EPOCHS - 1):
+            group.epoch(n, during=peak)  # every cached epoch, sampled
         memory = group.memory()
+        if variant == "in-memory" and memory["frozen"]:
+            # The baseline is a user's plain in-memory dataset: nothing of the package may freeze its heap.
+            raise RuntimeError(f"the in-memory baseline froze {memory['frozen']} objects: it must freeze none")
         inplace = group.ask("inplace")[0]["outcome"] if ranks == 1 else ""
         owner = next((a["ignite_ext"] for a in setup if a.get("ignite_ext")), None)
         if owner is not None and not owner.startswith(str(ROOT)):
@@ -315,6 +323,11 @@ def _rows(
                 "peak_PSS_MiB": round(mine["peak"].peak / _MiB),
                 "peak_PSS_vs_in_memory": round(mine["peak"].peak / max(base["peak"].peak, 1), 3),
                 "peak_workers_MiB": round(mine["peak"].children / _MiB),
+                # The rank processes apart from their workers, at that peak: what a collection in a rank unshares.
+                "peak_ranks_MiB": round(mine["peak"].main / _MiB),
+                "peak_ranks_vs_in_memory": round(mine["peak"].main / max(base["peak"].main, 1), 3),
+                "ranks_PSS_MiB": round(mine["memory"]["ranks"] / _MiB),
+                "rank_frozen_objects": mine["memory"]["frozen"],
                 "main_private_dirty_MiB": round(mine["memory"]["main_private"] / _MiB, 1),
                 "worker_private_dirty_MiB": round(mine["memory"]["worker_private"] / _MiB, 1),
                 # What the processes hold beyond one copy of the samples (one rank: every variant holds one).
@@ -338,15 +351,18 @@ def _summary(rows: list[dict[str, Any]]) -> str:
             f"{ours['first_epoch_vs_in_memory']:.2f} / {lit['first_epoch_vs_in_memory']:.2f} / "
             f"{mosaic['first_epoch_vs_in_memory']:.2f}; RAM vs in-memory ({group['in-memory']['RAM_MiB']} MiB) "
             f"{ours['RAM_vs_in_memory']:.2f} / {lit['RAM_vs_in_memory']:.2f} / {mosaic['RAM_vs_in_memory']:.2f}; "
-            f"peak PSS during a cached epoch vs in-memory ({group['in-memory']['peak_PSS_MiB']} MiB) "
-            f"{ours['peak_PSS_vs_in_memory']:.2f} / {lit['peak_PSS_vs_in_memory']:.2f} / "
-            f"{mosaic['peak_PSS_vs_in_memory']:.2f}"
+            f"peak PSS of the ranks and their workers during the cached epochs vs in-memory "
+            f"({group['in-memory']['peak_PSS_MiB']} MiB) {ours['peak_PSS_vs_in_memory']:.2f} / "
+            f"{lit['peak_PSS_vs_in_memory']:.2f} / {mosaic['peak_PSS_vs_in_memory']:.2f}, the ranks alone "
+            f"{ours['peak_ranks_MiB']} / {lit['peak_ranks_MiB']} / {mosaic['peak_ranks_MiB']} MiB "
+            f"(in-memory {group['in-memory']['peak_ranks_MiB']} MiB)"
         )
-    one_rank = [(sample, g) for (sample, ranks), g in _by_case(rows).items() if ranks == 1]
-    ahead = all(g["CachedDataset"]["vs_LitData"] > 1.0 for _, g in one_rank)
+    cases = _by_case(rows)
+    ahead = all(g["CachedDataset"]["vs_LitData"] > 1.0 for g in cases.values())
+    peak = all(g["CachedDataset"]["peak_PSS_vs_in_memory"] <= 1.05 for g in cases.values())
+    rate = all(g["CachedDataset"]["vs_in_memory"] >= 0.95 for (sample, _), g in cases.items() if sample == "64 KiB")
+    one_rank = [(sample, g) for (sample, ranks), g in cases.items() if ranks == 1]
     ram = all(g["CachedDataset"]["RAM_vs_in_memory"] <= 1.05 for _, g in one_rank)
-    peak = all(g["CachedDataset"]["peak_PSS_vs_in_memory"] <= 1.05 for _, g in one_rank)
-    rate = all(g["CachedDataset"]["vs_in_memory"] >= 0.95 for _, g in one_rank)
     beyond = "; ".join(
         f"{sample}: CachedDataset {g['CachedDataset']['beyond_data_MiB']} MiB (workers "
         f"{g['CachedDataset']['workers_MiB']}), in-memory {g['in-memory']['beyond_data_MiB']} MiB (workers "
@@ -354,10 +370,10 @@ def _summary(rows: list[dict[str, Any]]) -> str:
         for sample, g in one_rank
     )
     verdict = (
-        f"Goals on one rank: ahead of LitData at both sizes {'met' if ahead else 'NOT met'}; RAM <= 1.05x "
-        f"in-memory {'met' if ram else 'NOT met'}; peak PSS during a cached epoch <= 1.05x in-memory "
-        f"{'met' if peak else 'NOT met'}; cached epochs >= 0.95x in-memory's rate {'met' if rate else 'NOT met'}. "
-        f"Beyond the data, on one rank: {beyond}"
+        f"Goals, on one rank and on two: peak PSS during the cached epochs <= 1.05x in-memory "
+        f"{'met' if peak else 'NOT met'}; ahead of LitData {'met' if ahead else 'NOT met'}; cached epochs >= "
+        f"0.95x in-memory's rate at 64 KiB {'met' if rate else 'NOT met'}; RAM <= 1.05x in-memory on one rank "
+        f"{'met' if ram else 'NOT met'}. Beyond the data, on one rank: {beyond}"
     )
     return ". ".join([*parts, verdict]) + "."
 
