@@ -9,7 +9,9 @@ A :class:`SlurmBed` starts, each in the foreground under this process:
   bed's directory. No systemd, no cgroups (``proctrack/linuxproc``, ``task/none``), no accounting.
 
 :meth:`SlurmBed.close` cancels every job, kills the daemons (their process groups: whatever they started goes with
-them) and removes the directory. :attr:`SlurmBed.env` is the environment for ``srun``, ``sbatch`` and the others.
+them) and removes the directory. A test run killed before that leaves them running: each new bed first kills
+what such runs left (:func:`sweep_dead_beds`). :attr:`SlurmBed.env` is the environment for ``srun``, ``sbatch``
+and the others.
 
 ``python -m tests._slurm`` says whether such a bed can be made here (exit status 1 and the reason when it cannot);
 ``scripts/test.sh`` runs it and exports the reason in ``IGNITE_EXT_SLURM_UNAVAILABLE``, with which the tests of
@@ -28,16 +30,21 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from tests._world import free_port
 
-__all__ = ["UNAVAILABLE_ENV", "SlurmBed", "unavailable"]
+__all__ = ["UNAVAILABLE_ENV", "SlurmBed", "sweep_dead_beds", "unavailable"]
 
 UNAVAILABLE_ENV = "IGNITE_EXT_SLURM_UNAVAILABLE"
+_ROOT = Path(__file__).resolve().parents[1]
 _TOOLS = ("munged", "slurmctld", "slurmd", "srun", "sbatch", "scontrol", "scancel", "sinfo")
 _START_TIMEOUT_S = 30.0
+#: Seconds a requeued job waits under :meth:`SlurmBed.requeued_at_once`: two whole seconds past its revocation.
+_REQUEUE_HOLD_S = 2.0
 #: More CPUs than the machine has (``SlurmdParameters=config_overrides``): a few 2-rank jobs at once on 2 cores.
 _CPUS = 8
 
@@ -79,6 +86,58 @@ PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP
 """
 
 
+_PREFIX = "ignite_ext_slurm_"
+
+
+def _started(pid: int) -> str | None:
+    """Process ``pid``'s start time (clock ticks since boot), or None if it does not run."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _bed_of(pid: int, beds: str) -> str | None:
+    """The bed directory process ``pid`` belongs to: one of its open files, or its ``SLURM_CONF``, lies in it."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        found = [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
+    except OSError:
+        return None
+    found += [v.decode(errors="replace") for v in environ if v.startswith(b"SLURM_CONF=")]
+    for text in found:
+        if (start := text.find(beds)) >= 0:
+            return text[start:].split("/")[0]
+    return None
+
+
+def sweep_dead_beds() -> list[int]:
+    """SIGKILL what the beds of killed test runs left: daemons, job steps and their tasks; the pids killed.
+
+    A bed is dead when its directory is gone or the process that made it (``owner`` in it) no longer runs: a test
+    run killed before its teardown leaves its daemons running, and its jobs' ``slurmstepd`` and tasks.
+    """
+    beds = os.path.join(tempfile.gettempdir(), _PREFIX)
+    killed = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        name = _bed_of(int(entry.name), os.path.basename(beds))
+        if name is None:
+            continue
+        owner = Path(beds).parent / name / "owner"
+        try:
+            pid, started = owner.read_text().split()
+            alive = _started(int(pid)) == started
+        except (OSError, ValueError):
+            alive = False
+        if not alive:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed.append(int(entry.name))
+    return killed
+
+
 def unavailable() -> str | None:
     """Why a Slurm bed cannot be made here (None when it can): the exported reason, or what is missing."""
     reason = os.environ.get(UNAVAILABLE_ENV)
@@ -106,8 +165,10 @@ class SlurmBed:
     """One Slurm node on this machine: ``munged``, ``slurmctld`` and ``slurmd``, in a directory of their own."""
 
     def __init__(self) -> None:
-        self.root = Path(tempfile.mkdtemp(prefix="ignite_ext_slurm_"))
+        sweep_dead_beds()
+        self.root = Path(tempfile.mkdtemp(prefix=_PREFIX))
         self.root.chmod(0o755)  # munged refuses a socket directory others may write to, or cannot reach
+        (self.root / "owner").write_text(f"{os.getpid()} {_started(os.getpid())}")
         self.node = socket.gethostname().split(".")[0]
         self._daemons: list[subprocess.Popen[bytes]] = []
         try:
@@ -125,6 +186,13 @@ class SlurmBed:
         """This process's environment, with the bed's ``SLURM_CONF`` and no variable of an enclosing job."""
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "SRUN_"))}
         return {**env, "SLURM_CONF": str(self.conf)}
+
+    def job_env(self, **extra: str) -> dict[str, str]:
+        """:attr:`env` for a test's job: this interpreter first on ``PATH``, the repository importable, one thread."""
+        path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+        env = {**self.env, "PATH": path, "PYTHONPATH": str(_ROOT), "OMP_NUM_THREADS": "1", **extra}
+        env.pop("NPROC", None)  # the launchers page's train.py: under Slurm, Parallel spawns nothing
+        return env
 
     def _daemon(self, argv: list[str], log: str, user: str | None = None) -> None:
         with open(self.root / log, "ab") as out:
@@ -211,6 +279,33 @@ class SlurmBed:
             text = log.read_text(errors="replace").splitlines()[-lines:]
             out.append(f"--- {log.name}\n" + "\n".join(text))
         return "\n".join(out)
+
+    @contextlib.contextmanager
+    def requeued_at_once(self) -> Iterator[None]:
+        """While inside, a requeued job starts again 2 s after its requeue, not after ``cred_expire`` (2 minutes).
+
+        Not at once: slurmd refuses the credentials of a job made within the second its run before was revoked in
+        ("Job credential revoked"), and Slurm then ends the job.
+        """
+        stop = threading.Event()
+
+        def release() -> None:
+            held_since: dict[str, float] = {}
+            while not stop.wait(0.3):
+                held = self.run(["squeue", "-h", "-t", "PENDING", "-o", "%i %r"], check=False).splitlines()
+                for job, _, reason in (line.partition(" ") for line in held):
+                    since = held_since.setdefault(job, time.monotonic()) if reason == "BeginTime" else None
+                    if since is not None and time.monotonic() - since >= _REQUEUE_HOLD_S:
+                        self.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=False)
+                        del held_since[job]
+
+        thread = threading.Thread(target=release, name="slurm-requeued-at-once", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
 
     def cancel(self) -> None:
         """Cancel every job of the bed (a test's teardown: a job that outlived its deadline ends here)."""

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import ignite_ext.distributed as idist
 from ignite_ext.distributed.liveness.keeper import process_identity, running
-from ignite_ext.distributed.liveness.watch import CutListener, wire_address
+from ignite_ext.distributed.liveness.watch import CutListener, KeeperHandle, wire_address
 from ignite_ext.distributed.store.clients import clone, default_store, namespaced, read
 from ignite_ext.distributed.store.keys import NAMESPACE_KEY, cut_key
 from ignite_ext.distributed.store.wire import FLAVOURS, WireStore, flavour_for, prove
@@ -380,3 +380,23 @@ def test_a_forked_child_ending_normally_leaves_its_parents_watching_alone(world:
         assert r.ok and r.value["listening"] == [True], str(r)  # the fork's exit left the connection alone
         assert r.value["outcome"] == "RankFailedError" and r.value["dead"] == [2], str(r)
         assert r.value["after"] < kill_at + t / 6, r.value
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT], ids=lambda s: s.name)
+def test_a_signal_sent_while_a_keeper_starts_does_not_end_it(signum: signal.Signals) -> None:
+    # A launcher's SIGTERM reaches every process of a job (Slurm's scancel and preemption): one that lands while
+    # the keeper's interpreter starts, before it ignores the signal, must not end it (it ended it before 0.6.0).
+    import datetime
+
+    server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=5), wait_for_workers=False)
+    address, _ = wire_address(server)
+    handle = KeeperHandle(address, rank=0, world_size=1, every=0.5, identity=process_identity(os.getpid()) or "")
+    os.kill(handle.pid, signum)  # right after exec: the interpreter has not run the keeper's first line yet
+    deadline = time.monotonic() + 30  # an interpreter's start, on a loaded machine
+    while not handle.ready() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert handle.ready() and running(handle.pid), f"the keeper ended at {signum.name}"
+    os.kill(handle.pid, signum)  # and once it runs
+    time.sleep(0.2)
+    assert running(handle.pid), f"the running keeper ended at {signum.name}"
+    assert handle.stop() == 0

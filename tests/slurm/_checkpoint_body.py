@@ -2,8 +2,9 @@
 
 ``srun -n 2 python -m tests.slurm._checkpoint_body`` forms the group with ``idist.Parallel(backend="gloo")``;
 each rank installs a ``SIGTERM`` handler that sets a flag, prints ``ready RANK JOB KEEPER_PID`` and waits for
-the flag. Then rank 1 dies while "checkpointing" (it SIGKILLs itself half a second later), and rank 0 waits for
-it inside ``one_rank_first(rank=1)``: it prints ``rank 0 raised TYPE after SECONDS s: MESSAGE``.
+the flag, then prints ``stopping RANK``. Then rank 1 dies while "checkpointing" (it SIGKILLs itself half a second
+later), and rank 0 waits for it inside ``one_rank_first(rank=1)``: it prints ``rank 0 raised TYPE after SECONDS
+s: MESSAGE``.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def _body(local_rank: int) -> None:
         if time.monotonic() > deadline:
             _say(f"rank {rank} got no SIGTERM")
             sys.exit(2)
+    _say(f"stopping {rank}")
     if rank == 1:
         time.sleep(0.5)  # rank 0 waits in the block by now
         os.kill(os.getpid(), signal.SIGKILL)  # a death while saving the checkpoint

@@ -9,11 +9,11 @@ Every command runs under ``timeout``; the fixture cancels what a test's jobs lef
 
 from __future__ import annotations
 
-import os
+import queue
 import re
-import select
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -30,28 +30,44 @@ DEADLINE_S = 120
 HEARTBEAT_TIMEOUT_S = 30.0
 
 
-def _env(slurm: SlurmBed, **extra: str) -> dict[str, str]:
-    return {
-        **slurm.env,
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-        "PYTHONPATH": str(ROOT),
-        "OMP_NUM_THREADS": "1",
-        **extra,
-    }
+class _Lines:
+    """A process's output, line by line as it comes: a thread reads it (``select`` on a buffered pipe misses lines
+    read ahead into the buffer), :meth:`next` waits for the next one."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self._lines: queue.Queue[str] = queue.Queue()
+        self.seen: list[str] = []
+        threading.Thread(target=self._read, args=(proc,), daemon=True).start()
+
+    def _read(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            self._lines.put(line)
+        self._lines.put("")  # the end
+
+    def next(self, deadline: float) -> str:
+        """The next line, or "" if none comes before ``deadline`` (or the output ended)."""
+        try:
+            line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            return ""
+        self.seen.append(line)
+        return line
+
+    def rest(self, deadline: float) -> str:
+        """Every line until the output ends (or ``deadline``), with those seen before."""
+        while self.next(deadline):
+            pass
+        return "".join(self.seen)
 
 
-def _lines_until(proc: subprocess.Popen[str], pattern: str, count: int, deadline: float) -> list[re.Match[str]]:
-    """Read ``proc``'s output until ``count`` lines match ``pattern`` (an error showing what it read, if not)."""
-    assert proc.stdout is not None
+def _lines_until(lines: _Lines, pattern: str, count: int, deadline: float) -> list[re.Match[str]]:
+    """Read ``lines`` until ``count`` match ``pattern`` (an error showing what it read, if not)."""
     found: list[re.Match[str]] = []
-    seen: list[str] = []
     while len(found) < count:
-        left = deadline - time.monotonic()
-        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, left))
-        line = proc.stdout.readline() if ready else ""
+        line = lines.next(deadline)
         if not line:
-            raise AssertionError(f"{count} lines matching {pattern!r} did not come; output:\n{''.join(seen)}")
-        seen.append(line)
+            raise AssertionError(f"{count} lines matching {pattern!r} did not come; output:\n{''.join(lines.seen)}")
         if match := re.match(pattern, line):
             found.append(match)
     return found
@@ -66,23 +82,25 @@ def _gone(pid: int) -> bool:
 
 
 def test_a_rank_that_handles_sigterm_is_still_watched_by_its_keeper(slurm: SlurmBed) -> None:
-    env = _env(slurm, IGNITE_EXT_HEARTBEAT_TIMEOUT=str(HEARTBEAT_TIMEOUT_S))
+    env = slurm.job_env(IGNITE_EXT_HEARTBEAT_TIMEOUT=str(HEARTBEAT_TIMEOUT_S))
     body = [sys.executable, "-m", "tests.slurm._checkpoint_body"]
     argv = ["timeout", "-k", "5", str(DEADLINE_S), "srun", "-n", "2", *body]
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = _Lines(proc)
     try:
-        ready = _lines_until(proc, r"ready (\d) (\d+) (\d+)", 2, time.monotonic() + DEADLINE_S)
+        ready = _lines_until(lines, r"ready (\d) (\d+) (\d+)", 2, time.monotonic() + DEADLINE_S)
         keepers = [int(m.group(3)) for m in ready]
         assert all(keepers), f"a rank has no keeper: {[m.group(0) for m in ready]}"
         # What scancel and preemption send first: SIGTERM to every process of the job's steps, keepers included.
         slurm.run(["scancel", "--signal=TERM", ready[0].group(2)])
-        out, _ = proc.communicate(timeout=DEADLINE_S)
+        _lines_until(lines, r"stopping (\d)", 2, time.monotonic() + DEADLINE_S)
+        out = lines.rest(time.monotonic() + DEADLINE_S)
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.communicate()
+        proc.wait()
     report = re.search(r"rank 0 raised (\w+) after ([\d.]+) s: (.*)", out)
-    assert report, out[-4000:]
+    assert report, f"{out[-4000:]}\n{slurm.logs()}"
     kind, seconds, message = report.group(1), float(report.group(2)), report.group(3)
     assert kind == "RankFailedError" and "[1]" in message, out[-4000:]
     # The keeper reports a death within its settle time (0.1 s) plus a store round trip; the heartbeat alone, only

@@ -47,13 +47,16 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-__all__ = ["READY", "SETTLE", "main", "process_identity", "running"]
+__all__ = ["IGNORED", "READY", "SETTLE", "main", "process_identity", "running"]
 
 #: Seconds a keeper waits after its rank's death for the host's other ranks that die with it (one cut for all).
 SETTLE = 0.1
 
 #: What a keeper writes on its standard output once it watches its rank.
 READY = b"ready\n"
+
+#: The signals a keeper ignores. Its rank starts it with them blocked, so none ends it before it ignores them.
+IGNORED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 if TYPE_CHECKING or __package__:
     from ignite_ext._fs import process_identity
@@ -255,9 +258,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     identity = args[9] if len(args) > 9 else None
     # A Ctrl-C of the job's process group, and the SIGTERM a launcher sends every process of a job (Slurm's scancel
     # and preemption, torchrun's stop), are for the ranks: a rank that handles SIGTERM to checkpoint is still
-    # watched, and its keeper leaves when it does (its pidfd, or its goodbye).
-    for name in ("SIGINT", "SIGTERM", "SIGHUP"):
-        signal.signal(getattr(signal, name), signal.SIG_IGN)
+    # watched, and its keeper leaves when it does (its pidfd, or its goodbye). The rank started this process with
+    # them blocked (see IGNORED): one sent while it started is pending, and discarded here.
+    for signum in IGNORED:
+        signal.signal(signum, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, IGNORED)
     try:
         wire = _Lazy(host, int(port), prefix, max(5.0, 6 * float(every)), flavour)
         _keep(wire, int(rank), int(world_size), int(parent), int(beats), float(every), identity)

@@ -16,6 +16,7 @@ import contextlib
 import logging
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import threading
@@ -161,6 +162,9 @@ class KeeperHandle:
         os.set_blocking(self._out, False)  # a keeper that does not read must never block a beat
         pid = str(os.getpid())
         args = [host, str(port), prefix, str(rank), str(world_size), pid, str(beats), str(every), flavour, identity]
+        # The keeper inherits this thread's signal mask: blocked until it ignores them, a SIGTERM sent to the whole
+        # job while it starts (an interpreter's second or more under load) stays pending instead of ending it.
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, keeper.IGNORED)
         try:
             # -I -S: the standard library only, nothing of the rank's environment (and no torch to import)
             self._process = subprocess.Popen(
@@ -170,6 +174,7 @@ class KeeperHandle:
                 stdout=subprocess.PIPE,
             )
         finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             os.close(beats)
         assert self._process.stdout is not None
         self._said = self._process.stdout
