@@ -3,7 +3,7 @@
 * ``ignite_ext.distributed`` never imports ``ignite_ext.data`` (nor the demo);
 * a capability subpackage of ``ignite_ext.data`` (``download``, ``sampler``, ``cache``) imports another one, and
   ``ignite_ext.distributed``, only through public modules (no ``_private`` module of another package);
-* ``ignite_ext.errors`` and ``ignite_ext._fs`` import nothing of the package but ``ignite_ext.errors``;
+* ``ignite_ext.errors``, ``ignite_ext._fs``, ``_locks`` and ``_slurm`` import nothing of the package but the errors;
 * ``ignite_ext.settings``, the registry of the environment variables, imports nothing of the package, and every
   part of it may import the registry (the progress board, liveness and the store room included);
 * the modules of the package import one another without a circle (imports inside functions count too);
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "ignite_ext"
 CAPABILITIES = ("download", "sampler", "cache")
 # Private modules of the top package that every part of it may use.
-_BASE_MODULES = ("ignite_ext._fs", "ignite_ext._locks", "ignite_ext._version")
+_BASE_MODULES = ("ignite_ext._fs", "ignite_ext._locks", "ignite_ext._slurm", "ignite_ext._version")
 # The registry of the environment variables: every part of the package reads them through it, and it stands alone.
 SETTINGS = "ignite_ext.settings"
 
@@ -80,9 +80,12 @@ def violations() -> list[str]:
             where = f"{path.relative_to(ROOT)} imports {target}"
             if me.startswith("ignite_ext.distributed") and target.startswith(("ignite_ext.data", "ignite_ext.demo")):
                 found.append(f"{where}: distributed must not depend on data")
-            if me in ("ignite_ext.errors", "ignite_ext._fs", "ignite_ext._locks") and not target.startswith(
-                "ignite_ext.errors"
-            ):
+            if me in (
+                "ignite_ext.errors",
+                "ignite_ext._fs",
+                "ignite_ext._locks",
+                "ignite_ext._slurm",
+            ) and not target.startswith("ignite_ext.errors"):
                 found.append(f"{where}: the base modules import nothing of the package but the errors")
             if me == SETTINGS:
                 found.append(f"{where}: the settings registry imports nothing of the package")

@@ -13,10 +13,8 @@ Every command runs under ``timeout``; the fixture cancels what a test's jobs lef
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -51,14 +49,7 @@ def _scripts(blocks: list[Block]) -> dict[str, str]:
 
 
 def _run(slurm: SlurmBed, command: str, folder: Path, deadline: int = DEADLINE_S) -> tuple[int, str]:
-    env = {
-        **slurm.env,
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-        "PYTHONPATH": str(ROOT),
-        "OMP_NUM_THREADS": "1",
-        "MASTER_PORT": str(free_port()),  # the page's torchrun endpoint: never a port other runs may hold
-    }
-    env.pop("NPROC", None)
+    env = slurm.job_env(MASTER_PORT=str(free_port()))  # the page's torchrun endpoint: a port no other run holds
     done = subprocess.run(
         ["timeout", "-k", "5", str(deadline), "bash", "-c", command],
         cwd=folder,
@@ -79,7 +70,8 @@ def test_the_pages_slurm_recipes_run_as_shown(slurm: SlurmBed, tmp_path: Path) -
     for name, text in scripts.items():
         (tmp_path / name).write_text(text)
     for command, expected in commands:
-        rc, out = _run(slurm, command, tmp_path)
+        with slurm.requeued_at_once():  # the requeue recipe's second run: Slurm would hold it for 2 minutes
+            rc, out = _run(slurm, command, tmp_path)
         assert rc == 0, f"`{command}` exited with {rc}; output:\n{out[-4000:]}\n{slurm.logs()}"
         missing = _missing(expected, out.splitlines())
         assert not missing, f"`{command}` did not print {missing}; output:\n{out[-4000:]}"

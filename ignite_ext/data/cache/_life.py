@@ -104,7 +104,8 @@ def _finalize(path: str, creator: int, liveness_fd: int, keep: bool) -> None:
         return
     # Kept: a persisted cache (it outlives its job), and the arenas of an attempt that fails or is SIGTERMed with a
     # restart left (for the restarted group, as a SIGKILLed attempt leaves them).
-    if not keep and not (restart.leaving_for_a_restart(_sigterm.terminating()) and shm.agent_lives(path)):
+    leaving = restart.leaving_for_a_restart(_sigterm.terminating(), _sigterm.replaced())
+    if not keep and not (leaving and shm.agent_lives(path)):
         remove_files([path, path[: -len(".arena")] + ".lock"])
     with contextlib.suppress(OSError):
         os.close(liveness_fd)
@@ -357,6 +358,9 @@ class ArenaFile:
                 self.close()
                 return None
             restart_counters(self._mapped(), rows)
+            # This run's agent from now on: a requeued Slurm job's run count, which tells its own end from a requeue.
+            header = self._mapped().header
+            header[H_AGENT], header[H_AGENT_ID] = agent_stamp()
             return self
         return None
 

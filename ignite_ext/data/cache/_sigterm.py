@@ -19,7 +19,7 @@ import weakref
 from types import FrameType
 from typing import Any
 
-__all__ = ["install", "register", "terminating"]
+__all__ = ["install", "register", "replaced", "terminating"]
 
 _Handler = Any  # what signal.getsignal returns: a callable, SIG_DFL, SIG_IGN or None
 
@@ -36,6 +36,12 @@ _finalizers: list[weakref.finalize[Any, Any]] = []
 def terminating() -> bool:
     """Whether this process has received ``SIGTERM`` through the cache's handler."""
     return _signalled and _owner == os.getpid()
+
+
+def replaced() -> bool:
+    """Whether the program put a ``SIGTERM`` handler of its own over the cache's, in this process."""
+    current = signal.getsignal(signal.SIGTERM)
+    return _owner == os.getpid() and current is not _on_sigterm and callable(current)
 
 
 def register(finalizer: weakref.finalize[Any, Any]) -> None:

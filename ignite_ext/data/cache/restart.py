@@ -7,9 +7,13 @@ elastic worker, so a later job, even with torchrun's default run id, adopts noth
 Adoption itself (renamed, checked, counters restarted) is the file's life's (:mod:`~ignite_ext.data.cache._life`);
 the cache guide's *Restarts within a job* says what a user sees.
 
+In a Slurm job the job is the agent (:mod:`ignite_ext._slurm`) and its id the job key: a requeued run adopts too.
+
 .. versionadded:: 0.3.0
 .. versionchanged:: 0.4.0
    The agent's stamp: a sweep by another job spares the arenas of a job whose agent lives.
+.. versionchanged:: 0.6.0
+   A Slurm job is an agent: its requeued run adopts its node caches.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import hashlib
 import os
 import sys
 
+from ignite_ext import _slurm
 from ignite_ext._fs import process_identity
 
 __all__ = ["NO_JOB", "agent_lives", "agent_stamp", "cache_key", "job_key", "leaving_for_a_restart"]
@@ -49,6 +54,9 @@ def job_key() -> int:
     .. versionadded:: 0.3.0
     """
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    slurm = _slurm.job_text()
+    if slurm is not None:  # the same in every run of the job, requeued or not, and in each of torchrun's attempts
+        return _digest(f"job|{slurm}|{run_id or ''}")
     identity = _agent_identity()
     if not run_id or identity is None:  # nothing tells this job's agent from a later one's: adopt nothing
         return NO_JOB
@@ -65,7 +73,8 @@ def _agent_identity() -> str | None:
 def agent_stamp() -> tuple[int, int]:
     """The agent that this process's arenas are stamped with: its pid and a digest of its identity.
 
-    Zeros outside an elastic worker, or where the agent cannot be identified.
+    In a Slurm job, the job's stamp (:func:`~ignite_ext._slurm.stamp`) and a digest of the job.
+    Zeros outside an elastic worker or a Slurm job, or where the agent cannot be identified.
 
     Examples:
         >>> import os
@@ -81,6 +90,9 @@ def agent_stamp() -> tuple[int, int]:
 
     .. versionadded:: 0.4.0
     """
+    slurm = _slurm.job_text()
+    if slurm is not None and (word := _slurm.stamp()):
+        return (word, _digest(f"agent|{slurm}"))
     identity = _agent_identity()
     if identity is None:
         return (0, 0)
@@ -90,7 +102,8 @@ def agent_stamp() -> tuple[int, int]:
 def agent_lives(pid: int, digest: int) -> bool:
     """Whether the agent stamped as ``pid`` and ``digest`` (:func:`agent_stamp`) still runs on this host.
 
-    A reused pid has another start time, hence another digest; zeros (no agent) never live.
+    A reused pid has another start time, hence another digest; zeros (no agent) never live. A Slurm job's stamp
+    lives while the job will use this node's arenas again (:func:`~ignite_ext._slurm.brings_back`).
 
     Examples:
         >>> import os
@@ -100,6 +113,8 @@ def agent_lives(pid: int, digest: int) -> bool:
 
     .. versionadded:: 0.4.0
     """
+    if pid & _slurm.MARK:
+        return _slurm.brings_back(pid)
     if pid <= 0:
         return False
     identity = process_identity(pid)
@@ -121,14 +136,18 @@ def cache_key(*parts: object) -> int:
     return _digest("cache|" + "|".join(repr(p) for p in parts))
 
 
-def leaving_for_a_restart(terminated: bool) -> bool:
-    """Whether this process ends as an attempt that its agent restarts: failed or SIGTERMed, with a restart left.
+def leaving_for_a_restart(terminated: bool, handled_elsewhere: bool = False) -> bool:
+    """Whether this process may end as an attempt that its agent restarts: failed or SIGTERMed, with a restart left.
 
     A failure is an exception no code caught (recorded before the exit handlers run) or a ``SIGTERM``
     (``terminated``); a restart is left while ``TORCHELASTIC_RESTART_COUNT`` is below ``TORCHELASTIC_MAX_RESTARTS``.
+    In a Slurm job a ``SIGTERM`` may be a requeue: then the arena's agent (the job) says
+    (:func:`agent_lives`).
 
     Args:
         terminated: whether this process was SIGTERMed (see :mod:`~ignite_ext.data.cache._sigterm`).
+        handled_elsewhere: whether the program replaced the cache's ``SIGTERM`` handler with its own (it may
+            have been SIGTERMed without the cache knowing).
 
     Examples:
         >>> import os
@@ -143,7 +162,11 @@ def leaving_for_a_restart(terminated: bool) -> bool:
         ...     del os.environ[name]
 
     .. versionadded:: 0.5.0
+    .. versionchanged:: 0.6.0
+       A Slurm job's ``SIGTERM``; ``handled_elsewhere``.
     """
+    if _slurm.job_text() is not None and (terminated or handled_elsewhere):
+        return True
     failed = getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None
     if not (terminated or failed):
         return False
