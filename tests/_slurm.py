@@ -35,6 +35,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from tests._hosts import HostBed
 from tests._world import free_port
 
 __all__ = ["UNAVAILABLE_ENV", "SlurmBed", "sweep_dead_beds", "unavailable"]
@@ -51,7 +52,7 @@ _CPUS = 8
 _CONF = """\
 ClusterName=ietest
 FirstJobId={first_job_id}
-SlurmctldHost={node}(127.0.0.1)
+SlurmctldHost={controller}
 SlurmctldPort={ctld_port}
 SlurmdPort={slurmd_port}
 SlurmUser=root
@@ -76,13 +77,12 @@ MessageTimeout=10
 InactiveLimit=0
 MinJobAge=30
 StateSaveLocation={root}/state
-SlurmdSpoolDir={root}/spool
+SlurmdSpoolDir={node_dir}/spool
 SlurmctldPidFile={root}/slurmctld.pid
-SlurmdPidFile={root}/slurmd.pid
+SlurmdPidFile={node_dir}/slurmd.pid
 SlurmctldLogFile={root}/slurmctld.log
-SlurmdLogFile={root}/slurmd.log
-NodeName={node} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN
-PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP
+SlurmdLogFile={root}/slurmd.%n.log
+{nodes}PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """
 
 
@@ -164,14 +164,22 @@ def unavailable() -> str | None:
 class SlurmBed:
     """One Slurm node on this machine: ``munged``, ``slurmctld`` and ``slurmd``, in a directory of their own."""
 
-    def __init__(self) -> None:
+    def __init__(self, hosts: int = 0) -> None:
         sweep_dead_beds()
         self.root = Path(tempfile.mkdtemp(prefix=_PREFIX))
         self.root.chmod(0o755)  # munged refuses a socket directory others may write to, or cannot reach
         (self.root / "owner").write_text(f"{os.getpid()} {_started(os.getpid())}")
-        self.node = socket.gethostname().split(".")[0]
         self._daemons: list[subprocess.Popen[bytes]] = []
+        self.hosts: HostBed | None = None
         try:
+            if hosts:
+                # One Slurm node per simulated host (tests._hosts): the bed's directory is their shared one, each
+                # host's /tmp its own. Its daemons and commands run in the hosts; munged here (a Unix socket).
+                self.hosts = HostBed(hosts, shared=self.root, logs=self.root / "hosts")
+                self.nodes = [(host.name, host.ip) for host in self.hosts.hosts]
+            else:
+                self.nodes = [(socket.gethostname().split(".")[0], "127.0.0.1")]
+            self.node = self.nodes[0][0]
             self._start()
         except BaseException:
             self.close()
@@ -194,7 +202,9 @@ class SlurmBed:
         env.pop("NPROC", None)  # the launchers page's train.py: under Slurm, Parallel spawns nothing
         return env
 
-    def _daemon(self, argv: list[str], log: str, user: str | None = None) -> None:
+    def _daemon(self, argv: list[str], log: str, user: str | None = None, host: int | None = None) -> None:
+        if self.hosts is not None and (host is not None or argv[0] == "slurmctld"):
+            argv = self.hosts.hosts[host or 0].command(argv)
         with open(self.root / log, "ab") as out:
             self._daemons.append(
                 subprocess.Popen(
@@ -221,7 +231,9 @@ class SlurmBed:
         self.munge_socket = munge / "munge.socket"
         self.conf.write_text(
             _CONF.format(
-                node=self.node,
+                controller=f"{self.node}({self.nodes[0][1]})",
+                nodes="".join(f"NodeName={n} NodeAddr={ip} CPUs={_CPUS} State=UNKNOWN\n" for n, ip in self.nodes),
+                node_dir="/tmp/slurmd" if self.hosts else self.root,  # a host's /tmp is its own
                 ctld_port=free_port(),
                 slurmd_port=free_port(),
                 munge_socket=self.munge_socket,
@@ -249,12 +261,19 @@ class SlurmBed:
         )
         self._wait_for(lambda: self.munge_socket.exists(), "munged's socket")
         self._daemon(["slurmctld", "-D", "-i", "-f", str(self.conf)], "slurmctld.out")
-        self._daemon(["slurmd", "-D", "-N", self.node, "-f", str(self.conf)], "slurmd.out")
-        self._wait_for(self._node_idle, f"node {self.node} idle in sinfo")
+        for k, (name, _) in enumerate(self.nodes):
+            if self.hosts is not None:
+                self.hosts.hosts[k].run(["mkdir", "-p", "/tmp/slurmd/spool"])
+            self._daemon(["slurmd", "-D", "-N", name, "-f", str(self.conf)], f"slurmd.{name}.out", host=k)
+        self._wait_for(self._nodes_idle, f"nodes {[n for n, _ in self.nodes]} idle in sinfo")
 
-    def _node_idle(self) -> bool:
-        state = self.run(["sinfo", "-h", "-N", "-n", self.node, "-o", "%t"], check=False)
-        return state.strip() == "idle"
+    def _nodes_idle(self) -> bool:
+        states = self.run(["sinfo", "-h", "-N", "-o", "%N %t"], check=False).split()
+        return states[1::2] == ["idle"] * len(self.nodes)
+
+    def command(self, argv: list[str]) -> list[str]:
+        """``argv`` as run against the bed: in its first host, where it has hosts (the controller is there)."""
+        return self.hosts.hosts[0].command(argv) if self.hosts else argv
 
     def _wait_for(self, ready: object, what: str) -> None:
         deadline = time.monotonic() + _START_TIMEOUT_S
@@ -267,7 +286,7 @@ class SlurmBed:
 
     def run(self, argv: list[str], check: bool = True, timeout: float = 20.0) -> str:
         """Run a Slurm command (``scontrol``, ``sinfo``...) against the bed; its output."""
-        done = subprocess.run(argv, env=self.env, capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(self.command(argv), env=self.env, capture_output=True, text=True, timeout=timeout)
         if check and done.returncode != 0:
             raise RuntimeError(f"{' '.join(argv)} exited with {done.returncode}: {done.stderr.strip()}")
         return done.stdout
@@ -327,6 +346,8 @@ class SlurmBed:
                     os.killpg(daemon.pid, signal.SIGKILL)
                 daemon.wait()
         self._daemons.clear()
+        if self.hosts is not None:
+            self.hosts.close()
         shutil.rmtree(self.root, ignore_errors=True)
 
     def __enter__(self) -> SlurmBed:

@@ -6,7 +6,8 @@
 from __future__ import annotations
 
 import atexit
-from datetime import timedelta
+import time
+from collections.abc import Callable
 
 from ignite_ext.distributed.liveness.settings import heartbeat_timeout
 from ignite_ext.distributed.store.clients import Store, check, origin
@@ -23,17 +24,19 @@ class Lingering:
     rank 0 keeps the store alive and, at interpreter exit, waits (bounded, on one key) until the others
     acknowledged. The next block needs nothing: its entry proves everyone finished the previous one. So the others
     acknowledge off the blocks' path, at their heartbeat's next beat (``T/6``) or their own exit, whichever comes
-    first (:meth:`~ignite_ext.distributed._chores.Chores.ack_later`), and only their latest block.
+    first (:meth:`~ignite_ext.distributed._chores.Chores.ack_later`), and only their latest block. A rank declared
+    dead never acknowledges: rank 0 waits for the others only (it waited ``T`` for the dead).
     """
 
-    pending: tuple[Store, BlockKeys, int] | None = None
+    pending: tuple[Store, BlockKeys, int, Callable[[], set[int]]] | None = None
     # torch's store behind ``pending``'s: holding it is what keeps the server alive where this process hosts it.
     held: Store | None = None
     registered = False
 
     @classmethod
-    def hold(cls, store: Store, keys: BlockKeys, expected: int) -> None:
-        cls.pending, cls.held = (store, keys, expected), origin(store)
+    def hold(cls, store: Store, keys: BlockKeys, expected: int, dead: Callable[[], set[int]]) -> None:
+        """Keep ``store`` until ``expected`` ranks, less those ``dead()`` names, acknowledged ``keys``' block."""
+        cls.pending, cls.held = (store, keys, expected, dead), origin(store)
         if not cls.registered:
             atexit.register(cls.drain)
             cls.registered = True
@@ -47,7 +50,7 @@ class Lingering:
         pending = cls.pending
         if pending is None:
             return
-        held, keys, _ = pending
+        held, keys, _, _ = pending
         try:
             if held is store or check(held, [keys.acked]):
                 cls.pending = cls.held = None
@@ -59,10 +62,18 @@ class Lingering:
         pending, cls.pending = cls.pending, None
         if pending is None:
             return
-        store, keys, _ = pending
+        store, keys, expected, dead = pending
+        deadline = time.monotonic() + heartbeat_timeout()
         try:
-            store.wait([keys.acked], timedelta(seconds=heartbeat_timeout()))
+            while time.monotonic() < deadline and not check(store, [keys.acked]):
+                if int(store.add(keys.acks, 0)) >= expected - len(dead() - {0}):
+                    return  # every rank that lives has acknowledged
+                time.sleep(_LOOK)
         except Exception:
-            return  # the others are gone already, or did not answer in time
+            return  # the others are gone already, and the store with them
         finally:
             cls.held = None
+
+
+#: Seconds between two looks at the acknowledgements at exit (a few requests to this process's own store).
+_LOOK = 0.05

@@ -169,6 +169,10 @@ class StoreChannel(Channel):
             raise self._declared_dead()
         return failures
 
+    def _declared(self) -> set[int]:
+        """The ranks declared dead in this group so far."""
+        return {rank for cut in self.heartbeat.cuts() for rank in cut.ranks}
+
     def _check_not_declared(self) -> None:
         if any(self.rank in cut.ranks for cut in self.heartbeat.cuts()):
             raise self._declared_dead()
@@ -450,7 +454,7 @@ class StoreChannel(Channel):
         if self.rank != 0:
             self.chores.ack_later(self.keys.acks, self.keys.acked, self.world_size - 1)
         elif linger:
-            Lingering.hold(self.store, self.keys, self.world_size - 1)
+            Lingering.hold(self.store, self.keys, self.world_size - 1, self._declared)
         return self._unless_declared(_one_per_rank(found))
 
     def _left(self, exits: int) -> int | None:

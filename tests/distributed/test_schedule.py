@@ -352,7 +352,7 @@ def body_drains_after_the_others_acknowledged(others_exit: bool) -> dict[str, An
             time.sleep(4.0)  # alive, between blocks: the heartbeat's next beat acknowledges
         return {}  # else the process ends now: its exit acknowledges
     assert Lingering.pending is not None
-    store, keys, _ = Lingering.pending
+    store, keys, _, _ = Lingering.pending
     start = time.monotonic()
     Lingering.drain()  # what rank 0's exit does
     return {"waited": time.monotonic() - start, "acked": read(store, keys.acked)}

@@ -29,6 +29,7 @@ def _say(line: str) -> None:
 def _body(local_rank: int, idist: Any, folder: Path) -> None:
     rank = idist.get_rank()
     _say(f"formed {rank} {idist.get_world_size()} {local_rank}")
+    folder.mkdir(parents=True, exist_ok=True)  # a node's own /tmp, on the two-node bed
     with idist.one_rank_first(local=True):
         target = folder / "data.bin"
         if not target.exists():

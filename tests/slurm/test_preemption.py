@@ -35,23 +35,26 @@ class _Lines:
     read ahead into the buffer), :meth:`next` waits for the next one."""
 
     def __init__(self, proc: subprocess.Popen[str]) -> None:
-        self._lines: queue.Queue[str] = queue.Queue()
+        self._lines: queue.Queue[tuple[float, str]] = queue.Queue()
         self.seen: list[str] = []
+        self.came: list[float] = []  # when each line of ``seen`` came; then when the output ended
         threading.Thread(target=self._read, args=(proc,), daemon=True).start()
 
     def _read(self, proc: subprocess.Popen[str]) -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
-            self._lines.put(line)
-        self._lines.put("")  # the end
+            self._lines.put((time.monotonic(), line))
+        self._lines.put((time.monotonic(), ""))  # the end
 
     def next(self, deadline: float) -> str:
         """The next line, or "" if none comes before ``deadline`` (or the output ended)."""
         try:
-            line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            came, line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
         except queue.Empty:
             return ""
-        self.seen.append(line)
+        self.came.append(came)
+        if line:
+            self.seen.append(line)
         return line
 
     def rest(self, deadline: float) -> str:
@@ -83,7 +86,7 @@ def _gone(pid: int) -> bool:
 
 def test_a_rank_that_handles_sigterm_is_still_watched_by_its_keeper(slurm: SlurmBed) -> None:
     env = slurm.job_env(IGNITE_EXT_HEARTBEAT_TIMEOUT=str(HEARTBEAT_TIMEOUT_S))
-    body = [sys.executable, "-m", "tests.slurm._checkpoint_body"]
+    body = [sys.executable, "-m", "tests.slurm._death_body", "checkpoint"]
     argv = ["timeout", "-k", "5", str(DEADLINE_S), "srun", "-n", "2", *body]
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = _Lines(proc)
@@ -106,6 +109,10 @@ def test_a_rank_that_handles_sigterm_is_still_watched_by_its_keeper(slurm: Slurm
     # The keeper reports a death within its settle time (0.1 s) plus a store round trip; the heartbeat alone, only
     # after its timeout: a third of it leaves a loaded machine 10 s.
     assert seconds < HEARTBEAT_TIMEOUT_S / 3, f"rank 1's death was seen after {seconds} s: {out[-4000:]}"
+    # Rank 0 then exits at once: at its exit it waited the heartbeat timeout for the dead rank to acknowledge its
+    # last block (rank 0's store serves the others' reads until they do).
+    reported = next(came for came, line in zip(lines.came, lines.seen, strict=False) if "rank 0 raised" in line)
+    assert lines.came[-1] - reported < HEARTBEAT_TIMEOUT_S / 3, f"the job ended {lines.came[-1] - reported:.1f} s later"
     deadline = time.monotonic() + 10
     while not all(_gone(pid) for pid in keepers) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -120,7 +127,7 @@ KILL_RUNS = 3
 def test_a_killed_rank_is_named_before_kill_on_bad_exit_ends_the_others(slurm: SlurmBed) -> None:
     # srun --kill-on-bad-exit=1 SIGTERMs the other tasks 100-150 ms after one dies: the survivor's report of the
     # death (the keeper's cut) must be printed before that.
-    body = [sys.executable, "-m", "tests.slurm._kill_body"]
+    body = [sys.executable, "-m", "tests.slurm._death_body", "kill"]
     argv = ["timeout", "-k", "5", str(DEADLINE_S), "srun", "-n", "2", "--kill-on-bad-exit=1", *body]
     for run in range(KILL_RUNS):
         done = subprocess.run(argv, cwd=ROOT, env=slurm.job_env(), capture_output=True, text=True)

@@ -1,10 +1,15 @@
-"""One rank of the handled-SIGTERM test: it handles ``SIGTERM`` to save a checkpoint, as preemption handlers do.
+"""One rank of the Slurm death tests: rank 1 dies (SIGKILL) while rank 0 waits for it in a block.
 
-``srun -n 2 python -m tests.slurm._checkpoint_body`` forms the group with ``idist.Parallel(backend="gloo")``;
-each rank installs a ``SIGTERM`` handler that sets a flag, prints ``ready RANK JOB KEEPER_PID`` and waits for
-the flag, then prints ``stopping RANK``. Then rank 1 dies while "checkpointing" (it SIGKILLs itself half a second
-later), and rank 0 waits for it inside ``one_rank_first(rank=1)``: it prints ``rank 0 raised TYPE after SECONDS
-s: MESSAGE``.
+``srun -n 2 python -m tests.slurm._death_body MODE`` forms the group with ``idist.Parallel(backend="gloo")``,
+runs a first block (every keeper watches its rank from then on), then, by ``MODE``:
+
+* ``kill``: rank 1 SIGKILLs itself half a second later;
+* ``checkpoint``: each rank handles ``SIGTERM`` as preemption handlers do (a flag, then a checkpoint), prints
+  ``ready RANK JOB KEEPER_PID``, waits for the signal and prints ``stopping RANK``; then rank 1 dies while
+  "checkpointing", half a second later.
+
+Rank 0 waits for rank 1 inside ``one_rank_first(rank=1)`` and prints ``rank 0 raised TYPE after SECONDS s:
+MESSAGE``.
 """
 
 from __future__ import annotations
@@ -38,15 +43,11 @@ def _keeper_pid() -> int:
     return 0
 
 
-def _body(local_rank: int) -> None:
-    rank = idist.get_rank()
+def _wait_for_sigterm(rank: int) -> None:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
-    idist.barrier()  # every rank's handler is in place, and its keeper watches it (the block's entry waits for it)
-    deadline = time.monotonic() + 30
-    while not (keeper := _keeper_pid()) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    _say(f"ready {rank} {os.environ['SLURM_JOB_ID']} {keeper}")
+    idist.barrier()  # every rank's handler is in place
+    _say(f"ready {rank} {os.environ['SLURM_JOB_ID']} {_keeper_pid()}")
     # Short waits: the signal may land on another of the rank's threads, which does not wake a long one.
     deadline = time.monotonic() + 90
     while not stop.wait(timeout=0.1):
@@ -54,9 +55,17 @@ def _body(local_rank: int) -> None:
             _say(f"rank {rank} got no SIGTERM")
             sys.exit(2)
     _say(f"stopping {rank}")
+
+
+def _body(local_rank: int, mode: str) -> None:
+    rank = idist.get_rank()
+    with idist.one_rank_first():  # its entry waits until this rank's keeper watches it
+        pass
+    if mode == "checkpoint":
+        _wait_for_sigterm(rank)
     if rank == 1:
         time.sleep(0.5)  # rank 0 waits in the block by now
-        os.kill(os.getpid(), signal.SIGKILL)  # a death while saving the checkpoint
+        os.kill(os.getpid(), signal.SIGKILL)
     start = time.monotonic()
     try:
         with idist.one_rank_first(rank=1):
@@ -69,7 +78,7 @@ def _body(local_rank: int) -> None:
 
 def main() -> None:
     with idist.Parallel(backend="gloo") as parallel:
-        parallel.run(_body)
+        parallel.run(_body, sys.argv[1])
 
 
 if __name__ == "__main__":
