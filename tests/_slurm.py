@@ -23,6 +23,8 @@ from __future__ import annotations
 import contextlib
 import os
 import pwd
+import queue
+import re
 import secrets
 import shutil
 import signal
@@ -38,12 +40,14 @@ from pathlib import Path
 from tests._hosts import HostBed
 from tests._world import free_port
 
-__all__ = ["UNAVAILABLE_ENV", "SlurmBed", "sweep_dead_beds", "unavailable"]
+__all__ = ["KILL_WAIT_S", "UNAVAILABLE_ENV", "Lines", "SlurmBed", "lines_until", "sweep_dead_beds", "unavailable"]
 
 UNAVAILABLE_ENV = "IGNITE_EXT_SLURM_UNAVAILABLE"
 _ROOT = Path(__file__).resolve().parents[1]
 _TOOLS = ("munged", "slurmctld", "slurmd", "srun", "sbatch", "scontrol", "scancel", "sinfo")
 _START_TIMEOUT_S = 30.0
+#: Slurm's KillWait here: seconds between the SIGTERM and the SIGKILL that end a job's processes.
+KILL_WAIT_S = 2
 #: Seconds a requeued job waits under :meth:`SlurmBed.requeued_at_once`: two whole seconds past its revocation.
 _REQUEUE_HOLD_S = 2.0
 #: More CPUs than the machine has (``SlurmdParameters=config_overrides``): a few 2-rank jobs at once on 2 cores.
@@ -70,8 +74,8 @@ SelectTypeParameters=CR_CPU
 SlurmdParameters=config_overrides
 SchedulerType=sched/builtin
 ReturnToService=2
-KillWait=2
-SlurmdTimeout=10
+KillWait={kill_wait}
+SlurmdTimeout={slurmd_timeout}
 SlurmctldTimeout=10
 MessageTimeout=10
 InactiveLimit=0
@@ -164,7 +168,8 @@ def unavailable() -> str | None:
 class SlurmBed:
     """One Slurm node on this machine: ``munged``, ``slurmctld`` and ``slurmd``, in a directory of their own."""
 
-    def __init__(self, hosts: int = 0) -> None:
+    def __init__(self, hosts: int = 0, slurmd_timeout: int = 10) -> None:
+        self.slurmd_timeout = slurmd_timeout  # seconds before Slurm declares a silent node down
         sweep_dead_beds()
         self.root = Path(tempfile.mkdtemp(prefix=_PREFIX))
         self.root.chmod(0o755)  # munged refuses a socket directory others may write to, or cannot reach
@@ -232,6 +237,8 @@ class SlurmBed:
         self.conf.write_text(
             _CONF.format(
                 controller=f"{self.node}({self.nodes[0][1]})",
+                slurmd_timeout=self.slurmd_timeout,
+                kill_wait=KILL_WAIT_S,
                 nodes="".join(f"NodeName={n} NodeAddr={ip} CPUs={_CPUS} State=UNKNOWN\n" for n, ip in self.nodes),
                 node_dir="/tmp/slurmd" if self.hosts else self.root,  # a host's /tmp is its own
                 ctld_port=free_port(),
@@ -355,6 +362,52 @@ class SlurmBed:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class Lines:
+    """A process's output, line by line as it comes: a thread reads it (``select`` on a buffered pipe misses lines
+    read ahead into the buffer), :meth:`next` waits for the next one."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self._lines: queue.Queue[tuple[float, str]] = queue.Queue()
+        self.seen: list[str] = []
+        self.came: list[float] = []  # when each line of ``seen`` came; then when the output ended
+        threading.Thread(target=self._read, args=(proc,), daemon=True).start()
+
+    def _read(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            self._lines.put((time.monotonic(), line))
+        self._lines.put((time.monotonic(), ""))  # the end
+
+    def next(self, deadline: float) -> str:
+        """The next line, or "" if none comes before ``deadline`` (or the output ended)."""
+        try:
+            came, line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            return ""
+        self.came.append(came)
+        if line:
+            self.seen.append(line)
+        return line
+
+    def rest(self, deadline: float) -> str:
+        """Every line until the output ends (or ``deadline``), with those seen before."""
+        while self.next(deadline):
+            pass
+        return "".join(self.seen)
+
+
+def lines_until(lines: Lines, pattern: str, count: int, deadline: float) -> list[re.Match[str]]:
+    """Read ``lines`` until ``count`` match ``pattern`` (an error showing what it read, if not)."""
+    found: list[re.Match[str]] = []
+    while len(found) < count:
+        line = lines.next(deadline)
+        if not line:
+            raise AssertionError(f"{count} lines matching {pattern!r} did not come; output:\n{''.join(lines.seen)}")
+        if match := re.match(pattern, line):
+            found.append(match)
+    return found
 
 
 def main() -> int:

@@ -1,4 +1,4 @@
-"""One rank of the Slurm death tests: rank 1 dies (SIGKILL) while rank 0 waits for it in a block.
+"""One rank of the Slurm death tests: a rank dies (SIGKILL, or its node lost) while the others wait for it.
 
 ``srun -n 2 python -m tests.slurm._death_body MODE`` forms the group with ``idist.Parallel(backend="gloo")``,
 runs a first block (every keeper watches its rank from then on), then, by ``MODE``:
@@ -6,10 +6,12 @@ runs a first block (every keeper watches its rank from then on), then, by ``MODE
 * ``kill``: rank 1 SIGKILLs itself half a second later;
 * ``checkpoint``: each rank handles ``SIGTERM`` as preemption handlers do (a flag, then a checkpoint), prints
   ``ready RANK JOB KEEPER_PID``, waits for the signal and prints ``stopping RANK``; then rank 1 dies while
-  "checkpointing", half a second later.
+  "checkpointing", half a second later;
+* ``lost``: each rank prints ``ready RANK``, and rank 2 (the second node's first) runs a block for 300 s: the
+  test cuts that node off meanwhile.
 
-Rank 0 waits for rank 1 inside ``one_rank_first(rank=1)`` and prints ``rank 0 raised TYPE after SECONDS s:
-MESSAGE``.
+The others wait for that rank inside ``one_rank_first(rank=...)``; each prints ``rank R raised TYPE after SECONDS
+s at UNIX_TIME: MESSAGE``.
 """
 
 from __future__ import annotations
@@ -63,16 +65,19 @@ def _body(local_rank: int, mode: str) -> None:
         pass
     if mode == "checkpoint":
         _wait_for_sigterm(rank)
-    if rank == 1:
+    if mode == "lost":
+        _say(f"ready {rank}")
+    elif rank == 1:
         time.sleep(0.5)  # rank 0 waits in the block by now
         os.kill(os.getpid(), signal.SIGKILL)
     start = time.monotonic()
     try:
-        with idist.one_rank_first(rank=1):
-            pass
+        with idist.one_rank_first(rank=2 if mode == "lost" else 1) as first:
+            if first:
+                time.sleep(300)
     except Exception as exc:
-        seconds = time.monotonic() - start
-        _say(f"rank {rank} raised {type(exc).__name__} after {seconds:.2f} s: {str(exc).splitlines()[0][:200]}")
+        seconds, message = time.monotonic() - start, str(exc).splitlines()[0][:200]
+        _say(f"rank {rank} raised {type(exc).__name__} after {seconds:.2f} s at {time.time():.2f}: {message}")
         raise
 
 

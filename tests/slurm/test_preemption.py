@@ -9,17 +9,15 @@ Every command runs under ``timeout``; the fixture cancels what a test's jobs lef
 
 from __future__ import annotations
 
-import queue
 import re
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from tests._slurm import SlurmBed
+from tests._slurm import Lines, SlurmBed, lines_until
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -28,52 +26,6 @@ ROOT = Path(__file__).resolve().parents[2]
 DEADLINE_S = 120
 #: The heartbeat timeout of the handled-SIGTERM job: a death it alone sees is reported this late.
 HEARTBEAT_TIMEOUT_S = 30.0
-
-
-class _Lines:
-    """A process's output, line by line as it comes: a thread reads it (``select`` on a buffered pipe misses lines
-    read ahead into the buffer), :meth:`next` waits for the next one."""
-
-    def __init__(self, proc: subprocess.Popen[str]) -> None:
-        self._lines: queue.Queue[tuple[float, str]] = queue.Queue()
-        self.seen: list[str] = []
-        self.came: list[float] = []  # when each line of ``seen`` came; then when the output ended
-        threading.Thread(target=self._read, args=(proc,), daemon=True).start()
-
-    def _read(self, proc: subprocess.Popen[str]) -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            self._lines.put((time.monotonic(), line))
-        self._lines.put((time.monotonic(), ""))  # the end
-
-    def next(self, deadline: float) -> str:
-        """The next line, or "" if none comes before ``deadline`` (or the output ended)."""
-        try:
-            came, line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
-        except queue.Empty:
-            return ""
-        self.came.append(came)
-        if line:
-            self.seen.append(line)
-        return line
-
-    def rest(self, deadline: float) -> str:
-        """Every line until the output ends (or ``deadline``), with those seen before."""
-        while self.next(deadline):
-            pass
-        return "".join(self.seen)
-
-
-def _lines_until(lines: _Lines, pattern: str, count: int, deadline: float) -> list[re.Match[str]]:
-    """Read ``lines`` until ``count`` match ``pattern`` (an error showing what it read, if not)."""
-    found: list[re.Match[str]] = []
-    while len(found) < count:
-        line = lines.next(deadline)
-        if not line:
-            raise AssertionError(f"{count} lines matching {pattern!r} did not come; output:\n{''.join(lines.seen)}")
-        if match := re.match(pattern, line):
-            found.append(match)
-    return found
 
 
 def _gone(pid: int) -> bool:
@@ -89,20 +41,20 @@ def test_a_rank_that_handles_sigterm_is_still_watched_by_its_keeper(slurm: Slurm
     body = [sys.executable, "-m", "tests.slurm._death_body", "checkpoint"]
     argv = ["timeout", "-k", "5", str(DEADLINE_S), "srun", "-n", "2", *body]
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = _Lines(proc)
+    lines = Lines(proc)
     try:
-        ready = _lines_until(lines, r"ready (\d) (\d+) (\d+)", 2, time.monotonic() + DEADLINE_S)
+        ready = lines_until(lines, r"ready (\d) (\d+) (\d+)", 2, time.monotonic() + DEADLINE_S)
         keepers = [int(m.group(3)) for m in ready]
         assert all(keepers), f"a rank has no keeper: {[m.group(0) for m in ready]}"
         # What scancel and preemption send first: SIGTERM to every process of the job's steps, keepers included.
         slurm.run(["scancel", "--signal=TERM", ready[0].group(2)])
-        _lines_until(lines, r"stopping (\d)", 2, time.monotonic() + DEADLINE_S)
+        lines_until(lines, r"stopping (\d)", 2, time.monotonic() + DEADLINE_S)
         out = lines.rest(time.monotonic() + DEADLINE_S)
     finally:
         if proc.poll() is None:
             proc.kill()
         proc.wait()
-    report = re.search(r"rank 0 raised (\w+) after ([\d.]+) s: (.*)", out)
+    report = re.search(r"rank 0 raised (\w+) after ([\d.]+) s at [\d.]+: (.*)", out)
     assert report, f"{out[-4000:]}\n{slurm.logs()}"
     kind, seconds, message = report.group(1), float(report.group(2)), report.group(3)
     assert kind == "RankFailedError" and "[1]" in message, out[-4000:]
@@ -133,4 +85,6 @@ def test_a_killed_rank_is_named_before_kill_on_bad_exit_ends_the_others(slurm: S
         done = subprocess.run(argv, cwd=ROOT, env=slurm.job_env(), capture_output=True, text=True)
         out = done.stdout + done.stderr
         assert done.returncode != 0, out[-4000:]
-        assert re.search(r"rank 0 raised RankFailedError after [\d.]+ s: .*\[1\]", out), f"run {run}:\n{out[-4000:]}"
+        assert re.search(r"rank 0 raised RankFailedError after [\d.]+ s at [\d.]+: .*\[1\]", out), (
+            f"run {run}:\n{out[-4000:]}"
+        )
