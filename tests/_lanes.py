@@ -3,6 +3,7 @@
 ``--lane=fast`` (or ``IGNITE_EXT_LANE=fast``) leaves out, by rule:
 
 * the multi-host bed (``tests/hosts``: namespaces, torchrun per host, ``tc``-shaped links);
+* the Slurm bed (``tests/slurm``: Slurm's daemons, jobs of seconds each, a requeue, a node cut off);
 * the fault sweep's sample (``tests/distributed/test_fault_sweep.py``: real ranks killed at every moment);
 * the benchmarks' tests (``test_*benchmark*.py``: the peers' environments, measured runs);
 * every other test that took more than :data:`FAST_BUDGET_S` in the last full run recorded in
@@ -39,6 +40,8 @@ def left_out_by_rule(nodeid: str) -> str | None:
     path = nodeid.split("::", 1)[0]
     if path.startswith("tests/hosts/"):
         return "the multi-host bed"
+    if path.startswith("tests/slurm/"):
+        return "the Slurm bed"
     if path == "tests/distributed/test_fault_sweep.py":
         return "the fault sweep"
     if "benchmark" in Path(path).name:

@@ -34,9 +34,9 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
+from benchmarks.bench_failure_cost import requeued_after
 from tests._hosts import HostBed
 from tests._world import free_port
 
@@ -306,32 +306,9 @@ class SlurmBed:
             out.append(f"--- {log.name}\n" + "\n".join(text))
         return "\n".join(out)
 
-    @contextlib.contextmanager
-    def requeued_at_once(self) -> Iterator[None]:
-        """While inside, a requeued job starts again 2 s after its requeue, not after ``cred_expire`` (2 minutes).
-
-        Not at once: slurmd refuses the credentials of a job made within the second its run before was revoked in
-        ("Job credential revoked"), and Slurm then ends the job.
-        """
-        stop = threading.Event()
-
-        def release() -> None:
-            held_since: dict[str, float] = {}
-            while not stop.wait(0.3):
-                held = self.run(["squeue", "-h", "-t", "PENDING", "-o", "%i %r"], check=False).splitlines()
-                for job, _, reason in (line.partition(" ") for line in held):
-                    since = held_since.setdefault(job, time.monotonic()) if reason == "BeginTime" else None
-                    if since is not None and time.monotonic() - since >= _REQUEUE_HOLD_S:
-                        self.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=False)
-                        del held_since[job]
-
-        thread = threading.Thread(target=release, name="slurm-requeued-at-once", daemon=True)
-        thread.start()
-        try:
-            yield
-        finally:
-            stop.set()
-            thread.join()
+    def requeued_at_once(self) -> contextlib.AbstractContextManager[None]:
+        """While inside, a requeued job starts again 2 s after its requeue, not after ``cred_expire`` (2 minutes)."""
+        return requeued_after(_REQUEUE_HOLD_S, lambda argv: self.run(argv, check=False))
 
     def cancel(self) -> None:
         """Cancel every job of the bed (a test's teardown: a job that outlived its deadline ends here)."""
