@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 from benchmarks.bench_failure_cost import requeued_after
-from tests._hosts import HostBed
+from tests._hosts import HostBed, _stamp, _still_running
 from tests._world import free_port
 
 __all__ = ["KILL_WAIT_S", "UNAVAILABLE_ENV", "Lines", "SlurmBed", "lines_until", "sweep_dead_beds", "unavailable"]
@@ -93,14 +93,6 @@ SlurmdLogFile={root}/slurmd.%n.log
 _PREFIX = "ignite_ext_slurm_"
 
 
-def _started(pid: int) -> str | None:
-    """Process ``pid``'s start time (clock ticks since boot), or None if it does not run."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
 def _bed_of(pid: int, beds: str) -> str | None:
     """The bed directory process ``pid`` belongs to: one of its open files, or its ``SLURM_CONF``, lies in it."""
     try:
@@ -131,8 +123,7 @@ def sweep_dead_beds() -> list[int]:
             continue
         owner = Path(beds).parent / name / "owner"
         try:
-            pid, started = owner.read_text().split()
-            alive = _started(int(pid)) == started
+            alive = _still_running(owner.read_text()) is not None
         except (OSError, ValueError):
             alive = False
         if not alive:
@@ -173,7 +164,7 @@ class SlurmBed:
         sweep_dead_beds()
         self.root = Path(tempfile.mkdtemp(prefix=_PREFIX))
         self.root.chmod(0o755)  # munged refuses a socket directory others may write to, or cannot reach
-        (self.root / "owner").write_text(f"{os.getpid()} {_started(os.getpid())}")
+        (self.root / "owner").write_text(_stamp(os.getpid()))
         self._daemons: list[subprocess.Popen[bytes]] = []
         self.hosts: HostBed | None = None
         try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import atexit
 import time
 from collections.abc import Callable
+from datetime import timedelta
 
 from ignite_ext.distributed.liveness.settings import heartbeat_timeout
 from ignite_ext.distributed.store.clients import Store, check, origin
@@ -65,6 +66,11 @@ class Lingering:
         store, keys, expected, dead = pending
         deadline = time.monotonic() + heartbeat_timeout()
         try:
+            if not dead() - {0}:  # everyone may acknowledge: one wait on the server, which sets the key at the count
+                store.wait([keys.acked], timedelta(seconds=heartbeat_timeout()))
+                return
+            # A rank declared dead never acknowledges, so the key is never set: rank 0 looks at the count itself,
+            # on its own store, at its exit only, at most T / _LOOK times.
             while time.monotonic() < deadline and not check(store, [keys.acked]):
                 if int(store.add(keys.acks, 0)) >= expected - len(dead() - {0}):
                     return  # every rank that lives has acknowledged
